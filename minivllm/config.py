@@ -1,0 +1,103 @@
+"""Frozen configuration groups, built once from EngineArgs and shared by every component.
+
+This module imports nothing heavy: core/ (which must not import torch) reads SchedulerConfig
+and CacheConfig from here. Values that are only known after the model is loaded (the number of
+KV blocks) are filled in with dataclasses.replace, never by mutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """Path of the HF model directory or the .gguf file."""
+    tokenizer: str
+    """Path of the tokenizer (defaults to the model path)."""
+    dtype: str
+    """Resolved weight and activation dtype: float32, bfloat16 or float16."""
+    max_model_len: int
+    """Maximum number of tokens (prompt + output) of one request."""
+    hf_config: Any
+    """The transformers PretrainedConfig the model is built from."""
+    seed: int = 0
+    enforce_eager: bool = False
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else "<none>"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA: fraction of the device memory the engine may use (weights + activations + KV)."""
+    kv_cache_memory_bytes: int | None = None
+    """Exact KV cache size in bytes; overrides gpu_memory_utilization and the CPU space."""
+    cpu_kvcache_space_gib: float = 4.0
+    """On CPU: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
+    num_gpu_blocks_override: int | None = None
+    """Force the number of KV blocks (testing, preemption experiments)."""
+    enable_prefix_caching: bool = False
+    num_gpu_blocks: int | None = None
+    """Set by the engine after the worker has sized the cache."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}."
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step: decode tokens plus prefill chunks."""
+    max_num_seqs: int = 256
+    """Maximum number of requests in one step."""
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget over several steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "Without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})."
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    """"cpu" or "cuda" (or "cuda:N")."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig

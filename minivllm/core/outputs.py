@@ -1,0 +1,51 @@
+"""What crosses the engine-core boundaries each step, as plain data.
+
+ModelRunnerOutput goes from the worker to Scheduler.update_from_output; EngineCoreOutput goes
+from the scheduler to the front end (and, later, over IPC). Neither holds tensors: the worker
+converts its results to Python lists once per step, in one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from minivllm.core.request import FinishReason
+
+
+class LogprobsLists(NamedTuple):
+    """Logprobs of sampled tokens, one row per sampled token.
+
+    Row layout: index 0 is the sampled token, 1..N the top-N tokens of the raw model
+    distribution, where N is the largest `logprobs` asked for in the batch.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]  # 1-based rank of the sampled token
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step's results from the worker, rows in `req_ids` order."""
+
+    req_ids: list[str]
+    # One list per request: [] when the step did not reach a sampling position
+    # (a prefill chunk that ends before the prompt does).
+    sampled_token_ids: list[list[int]]
+    # Rows follow sampled_token_ids flattened; None when no request in the step asked for them.
+    logprobs: LogprobsLists | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens (and finish state) of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,109 @@
+"""The scheduler's view of one request: its tokens, progress and state machine.
+
+A Request is created by EngineCore.add_request from an EngineCoreRequest and lives until it
+finishes or is aborted. The scheduler advances `num_computed_tokens` towards `num_tokens` step by
+step (prefill chunks and decode steps are the same thing), appends sampled tokens, and moves it
+through WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI/vLLM name."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # NOTE: every status after PREEMPTED is a finished one.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Token-level state of one request inside the engine core."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # max_tokens None means "up to max_model_len"; the scheduler checks both.
+        self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens else 1 << 62
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)

@@ -1,0 +1,60 @@
+"""SchedulerOutput: the scheduler's whole decision for one step, as a diff.
+
+A request's full data (prompt, sampling params, blocks) is sent once, in NewRequestData, when it
+is first scheduled; afterwards CachedRequestData carries only what changed (new block ids, the
+computed-token count). The worker keeps the rest in its persistent batch, so the per-step
+message stays small even when it has to cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.core.request import Request
+    from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already knows, as parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # A resumed request had all its blocks freed: new_block_ids replaces its block table
+    # instead of extending it, and the worker recomputes its KV from num_computed_tokens.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to compute this step (prefill chunk or 1 decode token).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished or aborted since the last step: the worker drops their state.
+    finished_req_ids: set[str]
+    # Requests preempted in this step (freed blocks; back in the waiting queue).
+    preempted_req_ids: set[str] = field(default_factory=set)

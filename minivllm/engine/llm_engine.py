@@ -1,0 +1,55 @@
+"""LLMEngine: the synchronous engine behind `LLM` — processor, engine core, output processor.
+
+add_request validates and tokenizes in the front end, then hands the request to the engine core;
+step() runs one engine-core step and turns its outputs into RequestOutputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.config import VllmConfig
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.core import EngineCore
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.processor import Processor, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.transformers_utils import get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        self.processor = Processor(vllm_config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(vllm_config)
+        self.vllm_config = self.engine_core.vllm_config
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        """Validate and enqueue one request; a ValueError leaves the engine untouched."""
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request, prompt_text)
+        self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.get_num_unfinished_requests() > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        return self.output_processor.process_outputs(self.engine_core.step())

@@ -1,0 +1,67 @@
+"""Input processing in the front end: prompt -> validated, tokenized EngineCoreRequest.
+
+Every check that can reject a request happens here, before the request reaches the engine core,
+so that bad input is a ValueError for its caller and never disturbs the other requests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from minivllm.config import ModelConfig
+from minivllm.engine.messages import EngineCoreRequest
+from minivllm.sampling_params import SamplingParams
+
+# What LLM.generate and LLMEngine.add_request accept as one prompt.
+PromptType = str | list[int] | dict[str, Any]
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.hf_config.vocab_size
+
+    def process_inputs(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the engine request and the prompt text (None when given as token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        return request, prompt_text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("A prompt dict needs a 'prompt' or a 'prompt_token_ids' key.")
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}.")
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty; it must contain at least one token.")
+        max_model_len = self.model_config.max_model_len
+        if len(prompt_token_ids) > max_model_len:
+            raise ValueError(
+                f"The prompt (length {len(prompt_token_ids)}) is longer than the maximum model "
+                f"length of {max_model_len}."
+            )
+        for token_id in prompt_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"Token id {token_id!r} is out of the vocabulary (size {self.vocab_size}).")

@@ -1,0 +1,53 @@
+"""The `minivllm` command: `minivllm generate --prompt ...` (more subcommands come with the server
+and the benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minivllm.engine.arg_utils import EngineArgs
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sampling_seed,
+    )
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs, strict=True):
+        print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A compact vLLM-style inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Generate text for one or more prompts and print it.")
+    gen.add_argument("--prompt", action="append", required=True, help="A prompt; repeat for several.")
+    gen.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    gen.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: 64).")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0).")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

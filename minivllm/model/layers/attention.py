@@ -1,0 +1,43 @@
+"""The attention layer as the model sees it: q/k/v in, context out; paging is the backend's job.
+
+Each layer owns a view of its KV cache (bound by the worker after the cache is allocated) and
+calls the step's backend with the metadata built once for all layers. With no metadata (the
+worker's memory-profiling run) it is plain causal attention over the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.backend import AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by Worker.initialize_cache.
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """q [T, heads * head_dim], k and v [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if attn_metadata is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=True,
+            ).transpose(0, 1)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,27 @@
+"""RMSNorm with an optional fused residual add (the pre-norm transformer's two hot ops)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise x; with `residual`, first add it and also return the sum (the new residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        # NOTE: computed in float32 and cast back before the weight, as HF does, so that bf16
+        # results match the reference rounding.
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        out = self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,68 @@
+"""Build the model on its device and fill it from a checkpoint (HF safetensors or GGUF).
+
+Parameters are created uninitialised in the target dtype directly on the target device, then
+each checkpoint tensor is streamed in once; a missing or unexpected tensor is an error, never a
+silently random weight.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from minivllm.attention.backend import AttentionBackend
+from minivllm.config import ModelConfig
+from minivllm.logger import init_logger
+from minivllm.model.registry import get_model_class
+
+logger = init_logger(__name__)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {model_dir!r}; only safetensors checkpoints are supported.")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def get_model(model_config: ModelConfig, device: torch.device, backend: AttentionBackend) -> nn.Module:
+    dtype = getattr(torch, model_config.dtype)
+    model_cls = get_model_class(model_config.hf_config.architectures)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(model_config.hf_config, backend)
+    # RoPE tables stay float32 whatever the model dtype (HF computes them in float32 too).
+    for module in model.modules():
+        if hasattr(module, "cos_cache"):
+            module.cos_cache = module.cos_cache.float()
+            module.sin_cache = module.sin_cache.float()
+    if model_config.is_gguf:
+        from minivllm.model.gguf_loader import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(model_config.model)
+    else:
+        weights = iterate_safetensors_weights(model_config.model)
+    loaded = model.load_weights(weights)
+    missing = model.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(f"Checkpoint {model_config.model!r} lacks weights: {sorted(missing)[:8]}...")
+    return model.eval()

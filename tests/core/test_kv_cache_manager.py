@@ -1,0 +1,188 @@
+"""KVCacheManager (minivllm/core/kv_cache_manager.py): block arithmetic, failure, free order.
+
+The scheduler advances request.num_computed_tokens after allocate_slots; these tests do the
+same by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+from core_utils import create_requests
+
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+
+
+def _manager(num_blocks: int = 11, block_size: int = 16) -> KVCacheManager:
+    return KVCacheManager(num_blocks=num_blocks, block_size=block_size, max_model_len=1024)
+
+
+def _grow(kv: KVCacheManager, request, num_new_tokens: int) -> list[int] | None:
+    """allocate_slots, then advance num_computed_tokens as the scheduler does."""
+    new = kv.allocate_slots(request, num_new_tokens)
+    if new is not None:
+        request.num_computed_tokens += num_new_tokens
+    return new
+
+
+def _pool_snapshot(kv: KVCacheManager):
+    pool = kv.block_pool
+    return (
+        pool.free_block_queue.block_ids(),
+        pool.get_num_free_blocks(),
+        [b.ref_cnt for b in pool.blocks],
+        {k: [b.block_id for b in v] for k, v in kv.req_to_blocks.items()},
+    )
+
+
+def test_cdiv():
+    assert [cdiv(a, 4) for a in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+
+
+def test_exact_block_boundaries():
+    kv = _manager()
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 16) == [1]  # exactly one block
+    assert _grow(kv, req, 16) == [2]  # exactly one more, ending on a boundary
+    assert _grow(kv, req, 32) == [3, 4]
+    assert kv.get_block_ids("0") == [1, 2, 3, 4]
+    assert req.num_computed_tokens == 64
+    assert kv.get_num_free_blocks() == 6
+
+
+def test_growth_by_one_token_crosses_boundary():
+    kv = _manager()
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 15) == [1]
+    assert _grow(kv, req, 1) == []  # 16 tokens: still one block
+    assert _grow(kv, req, 1) == [2]  # token 17 needs a second block
+    for _ in range(15):  # tokens 18..32 fit in block 2
+        assert _grow(kv, req, 1) == []
+    assert req.num_computed_tokens == 32
+    assert _grow(kv, req, 1) == [3]
+    assert kv.get_block_ids("0") == [1, 2, 3]
+
+
+def test_chunk_spanning_several_blocks():
+    kv = _manager()
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 17) == [1, 2]
+    assert _grow(kv, req, 40) == [3, 4]  # 57 tokens -> 4 blocks
+    assert _grow(kv, req, 7) == []  # 64 tokens -> 4 blocks
+    assert _grow(kv, req, 1) == [5]
+
+
+def test_returns_empty_list_when_no_new_block_needed():
+    kv = _manager()
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 3) == [1]
+    free_before = kv.get_num_free_blocks()
+    new = kv.allocate_slots(req, 13)  # 3 + 13 = 16: fits in block 1
+    assert new == [] and new is not None
+    assert kv.get_num_free_blocks() == free_before
+
+
+def test_non_positive_num_new_tokens_raises():
+    kv = _manager()
+    (req,) = create_requests(1)
+    with pytest.raises(ValueError):
+        kv.allocate_slots(req, 0)
+    with pytest.raises(ValueError):
+        kv.allocate_slots(req, -1)
+    assert kv.get_num_free_blocks() == 10
+
+
+def test_block_size_one_and_large():
+    kv = KVCacheManager(num_blocks=6, block_size=1, max_model_len=5)
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 3) == [1, 2, 3]
+    assert _grow(kv, req, 1) == [4]
+    kv = KVCacheManager(num_blocks=3, block_size=256, max_model_len=512)
+    (req,) = create_requests(1)
+    assert _grow(kv, req, 256) == [1]
+    assert _grow(kv, req, 1) == [2]
+
+
+def test_failure_leaves_pool_unchanged():
+    kv = _manager()  # 10 usable blocks
+    a, b = create_requests(2)
+    assert _grow(kv, a, 16 * 8) == list(range(1, 9))
+    snapshot = _pool_snapshot(kv)
+    assert _grow(kv, b, 16 * 2 + 1) is None  # needs 3 blocks, 2 free
+    assert b.num_computed_tokens == 0
+    after = _pool_snapshot(kv)
+    assert after[:3] == snapshot[:3]
+    assert kv.get_block_ids("1") == [] and kv.get_block_ids("0") == list(range(1, 9))
+    # Growing a request that already holds blocks fails the same way.
+    assert _grow(kv, a, 16 * 3) is None
+    assert _pool_snapshot(kv)[:3] == snapshot[:3]
+    assert kv.get_block_ids("0") == list(range(1, 9))
+    # Exactly the free count succeeds.
+    assert _grow(kv, b, 32) == [9, 10]
+    assert kv.get_num_free_blocks() == 0
+    assert kv.allocate_slots(b, 1) is None
+    assert kv.allocate_slots(a, 1) is None
+
+
+def test_free_returns_blocks_tail_first():
+    kv = _manager()
+    a, b = create_requests(2)
+    _grow(kv, a, 40)  # [1, 2, 3]
+    _grow(kv, b, 20)  # [4, 5]
+    assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10]
+    kv.free(a)
+    assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10, 3, 2, 1]
+    kv.free(b)
+    assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10, 3, 2, 1, 5, 4]
+    assert kv.req_to_blocks == {}
+    assert kv.get_block_ids("0") == []
+    assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks[1:])
+    assert kv.usage == 0.0
+
+
+def test_free_of_unknown_or_already_freed_request_is_noop():
+    kv = _manager()
+    a, b = create_requests(2)
+    _grow(kv, a, 20)
+    snapshot = _pool_snapshot(kv)
+    kv.free(b)  # never allocated
+    assert _pool_snapshot(kv) == snapshot
+    kv.free(a)
+    snapshot = _pool_snapshot(kv)
+    kv.free(a)  # already freed: no double free
+    assert _pool_snapshot(kv) == snapshot
+
+
+def test_free_after_failed_first_allocation():
+    """A request whose first allocation failed holds nothing; freeing it frees nothing."""
+    kv = _manager(num_blocks=3)
+    a, b = create_requests(2)
+    _grow(kv, a, 32)
+    assert _grow(kv, b, 1) is None
+    kv.free(b)
+    assert "1" not in kv.req_to_blocks
+    assert kv.get_num_free_blocks() == 0
+
+
+def test_reallocation_after_free_starts_from_scratch():
+    """Preemption by recompute: after free, the request is allocated from token 0 again."""
+    kv = _manager()
+    a, b = create_requests(2)
+    _grow(kv, a, 20)  # [1, 2]
+    _grow(kv, b, 5)  # [3]
+    kv.free(a)
+    a.num_computed_tokens = 0
+    assert kv.block_pool.free_block_queue.block_ids() == [4, 5, 6, 7, 8, 9, 10, 2, 1]
+    assert _grow(kv, a, 21) == [4, 5]
+    assert kv.get_block_ids("0") == [4, 5]
+
+
+def test_usage():
+    kv = _manager(num_blocks=5)  # 4 usable
+    (a,) = create_requests(1)
+    assert kv.usage == 0.0
+    _grow(kv, a, 16)
+    assert kv.usage == pytest.approx(0.25)
+    _grow(kv, a, 48)
+    assert kv.usage == pytest.approx(1.0)
+    kv.free(a)
+    assert kv.usage == 0.0

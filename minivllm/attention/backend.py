@@ -41,6 +41,12 @@ class AttentionBackend(ABC):
     """One implementation of paged attention (reference torch, Triton, flash...)."""
 
     @abstractmethod
+    def get_kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache; the layout is the backend's choice."""
+
+    @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """CPU-side work done once per step and shared by all layers."""
 
@@ -50,7 +56,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # get_kv_cache_shape(...)
         attn_metadata: Any,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

@@ -1,5 +1,4 @@
-"""The `minivllm` command: `minivllm generate --prompt ...` (more subcommands come with the server
-and the benchmarks)."""
+"""The `minivllm` command: `minivllm generate --prompt ...`, `minivllm bench throughput ...`."""
 
 from __future__ import annotations
 
@@ -38,6 +37,13 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
+    throughput = bench.add_parser("throughput", help="Offline throughput of LLM.generate.")
+    from minivllm.bench import throughput as bench_throughput
+
+    bench_throughput.add_cli_args(throughput)
+    throughput.set_defaults(func=bench_throughput.main)
     return parser
 
 

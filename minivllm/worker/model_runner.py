@@ -63,7 +63,9 @@ class ModelRunner:
         """Allocate every layer's K/V blocks and hand each attention layer its view."""
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
+            )
             kv_cache = _zeros(shape, self.dtype, self.device)
             attn.kv_cache = kv_cache
             self.kv_caches.append(kv_cache)

@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
-        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by Worker.initialize_cache.
+        # Shaped by the backend's get_kv_cache_shape; bound by ModelRunner.initialize_kv_cache.
         self.kv_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""`minivllm bench throughput`: offline throughput of LLM.generate on a synthetic workload, with
+vLLM's flags and JSON keys, optionally beside transformers' batched generate in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from typing import Any
+
+from minivllm.bench.datasets import SampleRequest, random_requests
+from minivllm.engine.arg_utils import EngineArgs
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset-name", choices=["random"], default="random")
+    parser.add_argument("--input-len", type=int, default=320, help="Mean prompt length in tokens.")
+    parser.add_argument("--output-len", type=int, default=128, help="Mean output length in tokens.")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="Lengths are uniform in [len * (1 - r), len * (1 + r)].")
+    parser.add_argument("--prefix-len", type=int, default=0, help="Random prefix shared by all prompts.")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (vLLM's bench uses 1).")
+    parser.add_argument("--hf-compare", action="store_true",
+                        help="Also run the workload through transformers' batched generate.")
+    parser.add_argument("--hf-max-batch-size", type=int, default=64)
+    parser.add_argument("--output-json", type=str, default=None)
+    EngineArgs.add_cli_args(parser, skip=("seed",))
+    parser.add_argument("--seed", type=int, default=0, help="Dataset and engine seed.")
+
+
+def run_minivllm(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str, Any]:
+    from minivllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    startup = time.perf_counter() - start
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=r.expected_output_len, ignore_eos=True)
+        for r in requests
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=2)] * 2, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return _figures(requests, num_output, elapsed) | {
+        "startup_time": startup,
+        "dtype": llm.llm_engine.vllm_config.model_config.dtype,
+        "model": llm.llm_engine.vllm_config.model_config.model,
+    }
+
+
+def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: str, dtype: str) -> dict[str, Any]:
+    """transformers' generate, left-padded batches of up to --hf-max-batch-size, no EOS stop."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=getattr(torch, dtype)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    startup = time.perf_counter() - start
+    pad_id = 0
+    num_output = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), args.hf_max_batch_size):
+        batch = requests[i : i + args.hf_max_batch_size]
+        max_len = max(r.prompt_len for r in batch)
+        input_ids = torch.tensor([[pad_id] * (max_len - r.prompt_len) + r.prompt_token_ids for r in batch])
+        attention_mask = (torch.arange(max_len)[None, :] >= torch.tensor([max_len - r.prompt_len for r in batch])[:, None]).long()
+        max_new = max(r.expected_output_len for r in batch)
+        sample = args.temperature > 0
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new,
+                min_new_tokens=max_new, do_sample=sample, temperature=args.temperature if sample else None,
+                top_p=None, top_k=None, eos_token_id=None, pad_token_id=pad_id,
+            )
+        # Count the tokens each request asked for; the batch's extra ones are padding work.
+        num_output += sum(min(r.expected_output_len, out.shape[1] - max_len) for r in batch)
+    elapsed = time.perf_counter() - start
+    return _figures(requests, num_output, elapsed) | {"startup_time": startup}
+
+
+def _figures(requests: list[SampleRequest], num_output: int, elapsed: float) -> dict[str, Any]:
+    num_prompt = sum(r.prompt_len for r in requests)
+    return {
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_num_tokens": num_prompt + num_output,
+        "total_output_tokens": num_output,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (num_prompt + num_output) / elapsed,
+        "output_tokens_per_second": num_output / elapsed,
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    from minivllm.transformers_utils import get_config, resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    vocab_size = get_config(model_path).vocab_size
+    requests = random_requests(
+        args.num_prompts, args.input_len, args.output_len, vocab_size, args.range_ratio,
+        args.prefix_len, args.seed,
+    )
+    results = {"minivllm": run_minivllm(args, requests)}
+    if args.hf_compare:
+        results["transformers"] = run_hf(args, requests, model_path, results["minivllm"]["dtype"])
+    for name, r in results.items():
+        print(
+            f"{name:>12}: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total "
+            f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s "
+            f"({r['total_output_tokens']} output tokens in {r['elapsed_time']:.1f} s; startup {r['startup_time']:.1f} s)"
+        )
+    if "transformers" in results:
+        ratio = results["minivllm"]["output_tokens_per_second"] / results["transformers"]["output_tokens_per_second"]
+        print(f"minivllm / transformers output throughput: {ratio:.2f}x")
+    if args.output_json:
+        payload = {
+            "config": {k: v for k, v in vars(args).items() if k != "func"},
+            "environment": {"python": platform.python_version(), "machine": platform.machine(),
+                            "processor": platform.processor(), "torch": _torch_version()},
+            **results["minivllm"],
+            "results": results,
+        }
+        with open(args.output_json, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

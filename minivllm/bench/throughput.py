@@ -19,6 +19,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="Mean output length in tokens.")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="Lengths are uniform in [len * (1 - r), len * (1 + r)].")
+    parser.add_argument("--min-input-len", type=int, default=None,
+                        help="With --max-input-len: prompt lengths uniform in [min, max] instead.")
+    parser.add_argument("--max-input-len", type=int, default=None)
     parser.add_argument("--prefix-len", type=int, default=0, help="Random prefix shared by all prompts.")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (vLLM's bench uses 1).")
@@ -110,7 +113,7 @@ def main(args: argparse.Namespace) -> None:
     vocab_size = get_config(model_path).vocab_size
     requests = random_requests(
         args.num_prompts, args.input_len, args.output_len, vocab_size, args.range_ratio,
-        args.prefix_len, args.seed,
+        args.prefix_len, args.seed, _input_len_range(args),
     )
     results = {"minivllm": run_minivllm(args, requests)}
     if args.hf_compare:
@@ -134,6 +137,16 @@ def main(args: argparse.Namespace) -> None:
         }
         with open(args.output_json, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def _input_len_range(args: argparse.Namespace) -> tuple[int, int] | None:
+    if (args.min_input_len is None) != (args.max_input_len is None):
+        raise ValueError("--min-input-len and --max-input-len go together.")
+    if args.min_input_len is None:
+        return None
+    if not 1 <= args.min_input_len <= args.max_input_len:
+        raise ValueError("Need 1 <= --min-input-len <= --max-input-len.")
+    return args.min_input_len, args.max_input_len
 
 
 def _torch_version() -> str:

@@ -14,7 +14,7 @@ import torch
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor | None  # [num_rows] float32; greedy rows hold 1.0; None if all greedy
-    is_greedy: torch.Tensor | None  # [num_rows] bool; None if no row is greedy
+    is_greedy: torch.Tensor | None  # [num_rows] bool; None if no row or every row is greedy
     all_greedy: bool
     top_p: torch.Tensor | None  # [num_rows] float32
     top_k: torch.Tensor | None  # [num_rows] int64, vocab_size where disabled

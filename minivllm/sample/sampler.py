@@ -40,10 +40,9 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled, logprobs_tensors)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1) if metadata.is_greedy is not None else None
         if metadata.all_greedy:
-            assert greedy is not None
-            return greedy
+            return logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1) if metadata.is_greedy is not None else None
         assert metadata.temperature is not None
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:

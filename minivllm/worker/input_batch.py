@@ -122,10 +122,7 @@ class InputBatch:
         temperature = self.temperature_cpu[rows]
         is_greedy = temperature == 0.0
         if is_greedy.all():
-            return SamplingMetadata(
-                None, torch.from_numpy(is_greedy).to(self.device), True, None, None, None, {},
-                max_num_logprobs_or_none,
-            )
+            return SamplingMetadata(None, None, True, None, None, None, {}, max_num_logprobs_or_none)
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device)

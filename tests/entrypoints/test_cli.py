@@ -1,0 +1,51 @@
+"""The `minivllm` command line: generate prints the model's text; bench throughput writes its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.cli import main
+
+
+def test_generate_prints_greedy_text(make_tiny_model, capsys):
+    model = str(make_tiny_model("qwen2"))
+    main(["generate", "--model", model, "--dtype", "float32", "--prompt", "Hello", "--prompt", "Bye",
+          "--max-tokens", "5"])
+    printed = capsys.readouterr().out
+    expected = LLM(model, dtype="float32").generate(
+        ["Hello", "Bye"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )
+    for out in expected:
+        assert f"Output: {out.outputs[0].text!r}" in printed
+
+
+def test_generate_reports_bad_arguments(make_tiny_model):
+    with pytest.raises(SystemExit, match="max_model_len=99999 is larger"):
+        main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", "--max-model-len", "99999"])
+
+
+def test_generate_help_documents_engine_args(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--max-num-batched-tokens" in help_text and "Token budget of one engine step" in help_text
+    assert "--enforce-eager" in help_text
+
+
+def test_bench_throughput_json(make_tiny_model, tmp_path):
+    out = tmp_path / "result.json"
+    main(["bench", "throughput", "--model", str(make_tiny_model("llama")), "--num-prompts", "6",
+          "--min-input-len", "10", "--max-input-len", "40", "--output-len", "7", "--hf-compare",
+          "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    for key in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"):
+        assert key in result
+    assert result["num_requests"] == 6
+    # ignore_eos: every request produces exactly its 7 tokens, in both engines.
+    assert result["results"]["minivllm"]["total_output_tokens"] == 6 * 7
+    assert result["results"]["transformers"]["total_output_tokens"] == 6 * 7
+    prompt_tokens = result["total_num_tokens"] - 6 * 7
+    assert 6 * 10 <= prompt_tokens <= 6 * 40

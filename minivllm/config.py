@@ -27,6 +27,8 @@ class ModelConfig:
     """The transformers PretrainedConfig the model is built from."""
     seed: int = 0
     enforce_eager: bool = False
+    max_logprobs: int = 20
+    """Most logprobs (and prompt logprobs) a request may ask for."""
 
     @property
     def is_gguf(self) -> bool:

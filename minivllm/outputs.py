@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -14,6 +14,8 @@ class Logprob:
 
 # Per generated position: token id -> Logprob, for the sampled token and the top-N.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position; the first is None (nothing predicts the first prompt token).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -37,6 +39,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)

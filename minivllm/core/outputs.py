@@ -17,13 +17,13 @@ from minivllm.core.request import FinishReason
 class LogprobsLists(NamedTuple):
     """Logprobs of sampled tokens, one row per sampled token.
 
-    Row layout: index 0 is the sampled token, 1..N the top-N tokens of the raw model
-    distribution, where N is the largest `logprobs` asked for in the batch.
+    Row layout: index 0 is the chosen token (sampled, or the actual prompt token), 1..N the top-N
+    tokens of the raw model distribution, where N is the largest number asked for.
     """
 
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
-    sampled_token_ranks: list[int]  # 1-based rank of the sampled token
+    token_ranks: list[int]  # 1-based rank of the chosen token (sampled, or the prompt token)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
@@ -35,6 +35,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     sampled_token_ids: list[list[int]]
     # Rows follow sampled_token_ids flattened; None when no request in the step asked for them.
     logprobs: LogprobsLists | None = None
+    # req_id -> logprobs of the prompt tokens this step's chunk predicted (one row per token).
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -43,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

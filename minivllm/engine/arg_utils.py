@@ -65,6 +65,8 @@ class EngineArgs:
     """cpu, cuda, or auto (cuda when available)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes keep flowing."""
+    max_logprobs: int = 20
+    """Most logprobs (and prompt logprobs) a request may ask for."""
 
     def create_engine_config(self) -> VllmConfig:
         model_path = resolve_model_path(self.model)
@@ -81,6 +83,7 @@ class EngineArgs:
             hf_config=hf_config,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            max_logprobs=self.max_logprobs,
         )
         space = self.cpu_kvcache_space_gib
         if space is None:

@@ -1,17 +1,21 @@
 """LLMEngine: the synchronous engine behind `LLM` — processor, engine core, output processor.
 
-add_request validates and tokenizes in the front end, then hands the request to the engine core;
-step() runs one engine-core step and turns its outputs into RequestOutputs.
+add_request validates and tokenizes in the front end (fanning n > 1 out into child requests),
+then hands the requests to the engine core; step() runs one engine-core step, turns its outputs
+into RequestOutputs, and aborts in the core what the front end finished (stop strings).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from minivllm.config import VllmConfig
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core import EngineCore
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.processor import Processor, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -37,19 +41,32 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
     ) -> None:
         """Validate and enqueue one request; a ValueError leaves the engine untouched."""
+        if request_id in self.output_processor.request_states or request_id in self.output_processor.parent_requests:
+            raise ValueError(f"Request id {request_id!r} is already in the engine.")
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
-        self.output_processor.add_request(request, prompt_text)
-        self.engine_core.add_request(request)
+        if params.n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index in range(params.n):
+            child = msgspec.structs.replace(
+                request, request_id=parent.child_request_id(index), sampling_params=parent.child_params(index)
+            )
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(request_ids)
-        self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.get_num_unfinished_requests() > 0
+        return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        return self.output_processor.process_outputs(self.engine_core.step())
+        processed = self.output_processor.process_outputs(self.engine_core.step())
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs

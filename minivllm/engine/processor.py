@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from minivllm.config import ModelConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.sampling_params import SamplingParams
@@ -29,8 +31,11 @@ class Processor:
         """Returns the engine request and the prompt text (None when given as token ids)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        self._validate_params(params)
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -52,6 +57,32 @@ class Processor:
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}.")
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        max_logprobs = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs}.")
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains token id(s) {bad[:5]} out of the vocabulary (size {self.vocab_size}).")
+
+    def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, both as a word of its own (" word") and glued to what
+        precedes it ("word"): byte-level BPE tokenizes the two differently."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -10,13 +10,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processor import PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -55,6 +56,10 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                     "give one, or one per prompt."
                 )
+        # Offline, only the finished outputs are wanted: skip building the intermediate ones.
+        params_list = [
+            msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list
+        ]
         request_ids = self._add_requests(prompts, params_list)
         return self._run_engine(request_ids, use_tqdm)
 

@@ -17,7 +17,7 @@ from minivllm.attention.backend import CommonAttentionMetadata, get_attn_backend
 from minivllm.core.kv_cache_manager import cdiv
 from minivllm.core.outputs import LogprobsLists, ModelRunnerOutput
 from minivllm.model.loader import get_model
-from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class ModelRunner:
             max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_blocks_per_req=cdiv(self.max_model_len, self.block_size),
+            vocab_size=self.model_config.hf_config.vocab_size,
             device=device,
         )
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len), dtype=np.int64)
@@ -88,15 +89,17 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        input_ids, positions, attn_metadata, logits_rows, logits_indices = self._prepare_inputs(
-            scheduler_output
+        input_ids, positions, attn_metadata, logits_rows, logits_indices, query_start_loc = (
+            self._prepare_inputs(scheduler_output)
         )
         hidden_states = self.model(input_ids, positions, attn_metadata)
+        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, query_start_loc)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         logprobs = None
         if len(logits_rows):
             logits = self.model.compute_logits(hidden_states[logits_indices])
-            sampler_output = self.sampler(logits, batch.make_sampling_metadata(logits_rows))
+            sampler_output = self.sampler(logits, batch.sampling.make_metadata(logits_rows))
+            batch.sampling.record_sampled(logits_rows, sampler_output.sampled_token_ids)
             # NOTE: the step's one device-to-host copy.
             sampled = sampler_output.sampled_token_ids.tolist()
             for row, token_id in zip(logits_rows.tolist(), sampled, strict=True):
@@ -104,13 +107,49 @@ class ModelRunner:
                 batch.append_token(row, token_id)
                 self.requests[batch.req_ids[row]].output_token_ids.append(token_id)
             if sampler_output.logprobs_tensors is not None:
-                t = sampler_output.logprobs_tensors
-                logprobs = LogprobsLists(
-                    t.logprob_token_ids.tolist(), t.logprobs.tolist(), t.sampled_token_ranks.tolist()
-                )
+                logprobs = _to_lists(sampler_output.logprobs_tensors)
         return ModelRunnerOutput(
-            req_ids=list(batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs
+            req_ids=list(batch.req_ids),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _compute_prompt_logprobs(
+        self, hidden_states: torch.Tensor, query_start_loc: np.ndarray
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunk predicts, for requests that ask.
+
+        The hidden state at position p predicts prompt token p + 1. Positions already reported
+        (before a preemption) are skipped. Logits are computed a slice at a time: a whole prompt's
+        [tokens, vocab] logits could take gigabytes.
+        """
+        batch = self.input_batch
+        results: dict[str, LogprobsLists] = {}
+        for row in np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0).tolist():
+            state = self.requests[batch.req_ids[row]]
+            num_logprobs = int(batch.sampling.num_prompt_logprobs[row])
+            num_prompt = len(state.prompt_token_ids)
+            if state.num_prompt_logprobs_done >= num_prompt:
+                continue
+            computed = int(batch.num_computed_tokens_cpu[row])
+            scheduled = int(query_start_loc[row + 1] - query_start_loc[row])
+            first = max(computed, state.num_prompt_logprobs_done - 1, 0)
+            last = min(computed + scheduled, num_prompt - 1)  # exclusive: positions first..last-1
+            if first >= last:
+                continue
+            flat = int(query_start_loc[row]) + first - computed
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            parts = []
+            for offset in range(0, last - first, _PROMPT_LOGPROBS_SLICE):
+                n = min(_PROMPT_LOGPROBS_SLICE, last - first - offset)
+                logits = self.model.compute_logits(hidden_states[flat + offset : flat + offset + n])
+                parts.append(
+                    gather_logprobs(logits.log_softmax(dim=-1), num_logprobs, targets[offset : offset + n])
+                )
+            results[state.req_id] = _to_lists(LogprobsTensors(*(torch.cat(ts) for ts in zip(*parts, strict=True))))
+            state.num_prompt_logprobs_done = last + 1
+        return results
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the worker's request states and the persistent batch."""
@@ -135,6 +174,7 @@ class ModelRunner:
                 req_id=new_req.req_id,
                 prompt_token_ids=new_req.prompt_token_ids,
                 sampling_params=params,
+                eos_token_id=new_req.eos_token_id,
                 generator=generator,
                 block_ids=list(new_req.block_ids),
                 num_computed_tokens=new_req.num_computed_tokens,
@@ -162,7 +202,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, Any, np.ndarray, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Any, np.ndarray, torch.Tensor, np.ndarray]:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_scheduled = np.fromiter(
@@ -201,7 +241,15 @@ class ModelRunner:
             attn_metadata,
             logits_rows,
             logits_indices.to(self.device),
+            query_start_loc,
         )
+
+
+_PROMPT_LOGPROBS_SLICE = 512
+
+
+def _to_lists(t: LogprobsTensors) -> LogprobsLists:
+    return LogprobsLists(t.logprob_token_ids.tolist(), t.logprobs.tolist(), t.token_ranks.tolist())
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -629,7 +629,7 @@ def test_logprobs_rows_are_sliced_per_request():
     rows = LogprobsLists(
         logprob_token_ids=[[10, 7, 8], [11, 11, 9], [12, 5, 12]],
         logprobs=[[-0.1, -1.0, -2.0], [-0.2, -0.2, -3.0], [-0.5, -0.4, -0.5]],
-        sampled_token_ranks=[1, 1, 2],
+        token_ranks=[1, 1, 2],
     )
     outs = scheduler.update_from_output(
         so,

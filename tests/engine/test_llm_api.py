@@ -184,6 +184,15 @@ def test_abort_frees_blocks(llm):
         ({"temperature": -0.5}, "temperature must be non-negative"),
         ({"top_k": -2}, "top_k must be"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"n": 0}, "n must be at least 1"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero"),
+        ({"min_tokens": 5, "max_tokens": 3}, "min_tokens must be less than or equal to max_tokens"),
+        ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
+        ({"stop": "x", "detokenize": False}, "only supported when detokenize is True"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be non-negative"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from minivllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from minivllm.sample.sampler import Sampler
 
 VOCAB = 8
 
@@ -155,5 +156,5 @@ def test_logprobs_are_raw_log_softmax(logits):
     np.testing.assert_allclose(t.logprobs.numpy(), ref.gather(1, t.logprob_token_ids).numpy(), rtol=1e-6)
     np.testing.assert_array_equal(t.logprob_token_ids[:, 1:].numpy(), ref.topk(4).indices.numpy())
     ranks = (ref > ref.gather(1, out.sampled_token_ids[:, None])).sum(-1) + 1
-    np.testing.assert_array_equal(t.sampled_token_ranks.numpy(), ranks.numpy())
-    assert (t.sampled_token_ranks <= 3).all()  # top_k=3 never samples below rank 3
+    np.testing.assert_array_equal(t.token_ranks.numpy(), ranks.numpy())
+    assert (t.token_ranks <= 3).all()  # top_k=3 never samples below rank 3

@@ -21,6 +21,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -30,6 +31,7 @@ class NewRequestData:
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
         )

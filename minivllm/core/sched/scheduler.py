@@ -219,22 +219,28 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: dict[str, None] = {}  # NOTE: ordered, so blocks are freed in batch order
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         row = 0
         for req_id, new_token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             first_row, row = row, row + len(new_token_ids)
             request = self.requests.get(req_id)
-            if not new_token_ids or request is None or request.is_finished():
+            if request is None or request.is_finished():
                 continue
-            request.append_output_token_ids(new_token_ids)
-            if self._check_stop(request):
-                stopped[req_id] = None
+            new_prompt_logprobs = prompt_logprobs.get(req_id)
+            if not new_token_ids and new_prompt_logprobs is None:
+                continue
+            if new_token_ids:
+                request.append_output_token_ids(new_token_ids)
+                if self._check_stop(request):
+                    stopped[req_id] = None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=self._slice_logprobs(request, logprobs, first_row, row),
+                    new_prompt_logprobs=new_prompt_logprobs,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                 )
@@ -250,6 +256,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
         last_token_id = request.output_token_ids[-1]
         if not params.ignore_eos and last_token_id == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
@@ -265,13 +273,13 @@ class Scheduler:
         request: Request, logprobs: LogprobsLists | None, start: int, end: int
     ) -> LogprobsLists | None:
         num_logprobs = request.sampling_params.logprobs
-        if logprobs is None or num_logprobs is None:
+        if logprobs is None or num_logprobs is None or start == end:
             return None
         width = num_logprobs + 1
         return LogprobsLists(
             [ids[:width] for ids in logprobs.logprob_token_ids[start:end]],
             [lps[:width] for lps in logprobs.logprobs[start:end]],
-            logprobs.sampled_token_ranks[start:end],
+            logprobs.token_ranks[start:end],
         )
 
     def _free_request(self, request: Request) -> None:

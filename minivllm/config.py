@@ -52,7 +52,10 @@ class CacheConfig:
     """On CPU: KV cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
     num_gpu_blocks_override: int | None = None
     """Force the number of KV blocks (testing, preemption experiments)."""
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes computed before (vLLM V1's default)."""
+    prefix_caching_hash_algo: str = "sha256"
+    """Block hash: sha256 (collision-resistant) or builtin (Python's hash, faster)."""
     num_gpu_blocks: int | None = None
     """Set by the engine after the worker has sized the cache."""
 
@@ -62,6 +65,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError(
+                f"prefix_caching_hash_algo must be sha256 or builtin, got {self.prefix_caching_hash_algo!r}."
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(

@@ -33,6 +33,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic) of a request's life in the front end."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,3 +54,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -28,28 +28,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-compare", action="store_true",
                         help="Also run the workload through transformers' batched generate.")
     parser.add_argument("--hf-max-batch-size", type=int, default=64)
+    parser.add_argument("--compare-prefix-caching", action="store_true",
+                        help="Run the workload with prefix caching off, then on, in the same process.")
     parser.add_argument("--output-json", type=str, default=None)
     EngineArgs.add_cli_args(parser, skip=("seed",))
     parser.add_argument("--seed", type=int, default=0, help="Dataset and engine seed.")
 
 
-def run_minivllm(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str, Any]:
+def run_minivllm(args: argparse.Namespace, requests: list[SampleRequest], **overrides: Any) -> dict[str, Any]:
+    import statistics
+
     from minivllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    llm = LLM(**(vars(EngineArgs.from_cli_args(args)) | overrides))
     startup = time.perf_counter() - start
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=r.expected_output_len, ignore_eos=True)
         for r in requests
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=2)] * 2, use_tqdm=False)  # warm-up
+    # Warm-up on a prompt of its own, then forget it: the workload must start with a cold cache.
+    llm.generate([[requests[0].prompt_token_ids[-1]] * 8], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttfts_ms = [1000 * o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.first_token_time]
     return _figures(requests, num_output, elapsed) | {
+        "mean_ttft_ms": statistics.fmean(ttfts_ms),
+        "median_ttft_ms": statistics.median(ttfts_ms),
+        "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
         "startup_time": startup,
         "dtype": llm.llm_engine.vllm_config.model_config.dtype,
         "model": llm.llm_engine.vllm_config.model_config.model,
@@ -115,14 +125,32 @@ def main(args: argparse.Namespace) -> None:
         args.num_prompts, args.input_len, args.output_len, vocab_size, args.range_ratio,
         args.prefix_len, args.seed, _input_len_range(args),
     )
-    results = {"minivllm": run_minivllm(args, requests)}
+    if args.compare_prefix_caching:
+        results = {
+            "minivllm[no prefix caching]": run_minivllm(args, requests, enable_prefix_caching=False),
+            "minivllm[prefix caching]": run_minivllm(args, requests, enable_prefix_caching=True),
+        }
+        results["minivllm"] = results["minivllm[prefix caching]"]
+    else:
+        results = {"minivllm": run_minivllm(args, requests)}
     if args.hf_compare:
         results["transformers"] = run_hf(args, requests, model_path, results["minivllm"]["dtype"])
     for name, r in results.items():
+        if name == "minivllm" and args.compare_prefix_caching:
+            continue
+        ttft = f", mean TTFT {r['mean_ttft_ms']:.0f} ms" if "mean_ttft_ms" in r else ""
         print(
             f"{name:>12}: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total "
             f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s "
-            f"({r['total_output_tokens']} output tokens in {r['elapsed_time']:.1f} s; startup {r['startup_time']:.1f} s)"
+            f"({r['total_output_tokens']} output tokens in {r['elapsed_time']:.1f} s{ttft}; "
+            f"startup {r['startup_time']:.1f} s)"
+        )
+    if args.compare_prefix_caching:
+        off, on = results["minivllm[no prefix caching]"], results["minivllm[prefix caching]"]
+        print(
+            f"prefix caching: {on['num_cached_prompt_tokens']} prompt tokens from the cache; total time "
+            f"{off['elapsed_time'] / on['elapsed_time']:.2f}x faster, mean TTFT "
+            f"{off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}x lower"
         )
     if "transformers" in results:
         ratio = results["minivllm"]["output_tokens_per_second"] / results["transformers"]["output_tokens_per_second"]

@@ -1,9 +1,14 @@
-"""The physical KV cache blocks and their free list.
+"""The physical KV cache blocks, their free list, and the prefix cache's hash -> block map.
 
 BlockPool owns every KVCacheBlock. It hands out free blocks, takes them back when their
 reference count drops to zero, and knows nothing about requests: KVCacheManager decides which
 request holds which blocks. Block 0 is the null block, never handed out, so that padded block
 tables can point somewhere harmless.
+
+With prefix caching, a full block keeps its hash after its last user frees it: it sits in the
+free queue with its content intact, and a later request with the same prefix can take it back
+(touch). The free queue is therefore also the eviction order: blocks are taken from its head
+(least recently freed) and lose their hash only then.
 """
 
 from __future__ import annotations
@@ -14,17 +19,18 @@ from collections.abc import Iterable
 class KVCacheBlock:
     """Metadata of one physical block; the K/V tensors themselves live in the worker."""
 
-    __slots__ = ("block_id", "ref_cnt", "prev_free_block", "next_free_block")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | int | None = None  # set while the block is in the prefix cache
         # Links of the intrusive free list; None while the block is in use.
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
 class FreeKVCacheBlockQueue:
@@ -84,7 +90,7 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All KV cache blocks of the engine, with reference counts and a free queue."""
+    """All KV cache blocks of the engine, with reference counts, a free queue and the prefix cache."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -94,8 +100,10 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.ref_cnt = 1  # NOTE: held forever, so it is never freed or handed out.
+        self.cached_block_hash_to_block: dict[bytes | int, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached-but-unused ones included."""
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
@@ -103,18 +111,47 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take blocks from the head of the free queue, evicting their cached content."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, block
+            self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes | int) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference to cached blocks; unused ones leave the free queue (no longer evictable)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes | int]) -> None:
+        """Enter full blocks into the prefix cache under their hashes.
+
+        NOTE: if another block already holds a hash (two requests computed the same prefix at
+        the same time), the existing entry stays and this block remains uncached.
+        """
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the free queue in order."""
+        """Drop one reference from each block; blocks reaching zero join the free queue in order
+        (cached blocks keep their hash and content until evicted)."""
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
@@ -123,3 +160,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

@@ -48,7 +48,29 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: LogprobsLists | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, gc=False):
+    """The scheduler's state after a step: gauges, and counters that only grow (so a reader may
+    skip snapshots without losing counts)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prefill chunks and decodes)
+    prefix_cache_requests: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
+    """Everything one engine-core step produced."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None

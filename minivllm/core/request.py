@@ -62,6 +62,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -75,6 +76,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prefix caching: hashes of the full blocks of all_token_ids (filled lazily by the KV
+        # manager), the salt that separates this request's cache entries, and how many prompt
+        # tokens were found cached when it was first admitted.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes | int] = []
+        self.num_cached_tokens = -1
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
 

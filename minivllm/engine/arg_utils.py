@@ -49,8 +49,10 @@ class EngineArgs:
     """Maximum number of requests in one engine step."""
     block_size: int = 16
     """Tokens per KV cache block."""
-    enable_prefix_caching: bool = False
-    """Reuse the KV cache of shared prompt prefixes (not implemented yet: must stay off)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache blocks of prompt prefixes computed before (automatic prefix caching)."""
+    prefix_caching_hash_algo: str = "sha256"
+    """Block hash for prefix caching: sha256 (collision-resistant) or builtin (faster)."""
     gpu_memory_utilization: float = 0.9
     """On CUDA: fraction of device memory for weights, activations and KV cache."""
     kv_cache_memory_bytes: int | None = None
@@ -95,9 +97,8 @@ class EngineArgs:
             cpu_kvcache_space_gib=space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
         )
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching is not supported yet.")
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)

@@ -11,7 +11,7 @@ import dataclasses
 import time
 
 from minivllm.config import VllmConfig
-from minivllm.core.outputs import EngineCoreOutput
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.engine.messages import EngineCoreRequest
@@ -40,6 +40,7 @@ class EngineCore:
                 request.sampling_params,
                 request.eos_token_id,
                 request.arrival_time,
+                request.cache_salt,
             )
         )
 
@@ -49,10 +50,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule one batch, run it, and return each request's new tokens."""
+    def step(self) -> EngineCoreOutputs:
+        """Schedule one batch, run it, and return each request's new tokens and the stats."""
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()

@@ -17,6 +17,8 @@ from minivllm.engine.core import EngineCore
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.processor import Processor, PromptType
+from minivllm.metrics.reader import Metric, get_metrics_snapshot
+from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.transformers_utils import get_tokenizer
@@ -29,6 +31,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(vllm_config)
         self.vllm_config = self.engine_core.vllm_config
+        self.stats = EngineStats()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -66,7 +69,16 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        core_outputs = self.engine_core.step()
+        self.stats.record_scheduler_stats(core_outputs.scheduler_stats)
+        processed = self.output_processor.process_outputs(core_outputs.outputs, self.stats)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+    def get_metrics(self) -> list[Metric]:
+        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.model)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; False if requests are still using blocks."""
+        return self.engine_core.reset_prefix_cache()

@@ -15,3 +15,5 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    # Separates this request's prefix-cache entries from other users' (vLLM's cache_salt).
+    cache_salt: str | None = None

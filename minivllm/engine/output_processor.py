@@ -7,6 +7,7 @@ asked: the whole generation so far, only the new part, or one final output.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,8 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.logprobs import LogprobsProcessor
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.metrics.stats import EngineStats
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
 
@@ -30,9 +32,11 @@ class RequestState:
     output_kind: RequestOutputKind
     detokenizer: IncrementalDetokenizer
     logprobs: LogprobsProcessor
+    metrics: RequestMetrics
     # How much of the token ids / logprobs / prompt logprobs earlier DELTA outputs already carried.
     num_sent_tokens: int = 0
     num_sent_prompt_logprobs: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -63,6 +67,7 @@ class OutputProcessor:
             output_kind=params.output_kind,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
             logprobs=LogprobsProcessor(self.tokenizer, params),
+            metrics=RequestMetrics(request.arrival_time),
         )
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
@@ -84,12 +89,18 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: list[EngineCoreOutput], stats: EngineStats) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
         for output in outputs:
             state = self.request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
                 continue
+            if output.new_token_ids:
+                if not state.detokenizer.output_token_ids:
+                    stats.record_first_token(len(state.prompt_token_ids))
+                    state.metrics.first_token_time = time.monotonic()
+                    state.num_cached_tokens = output.num_cached_tokens
+                stats.record_new_tokens(len(output.new_token_ids))
             state.logprobs.update(output.new_logprobs, output.new_prompt_logprobs)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_string = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
@@ -100,6 +111,8 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self.request_states[output.request_id]
+                stats.record_finished(str(finish_reason))
+                state.metrics.finished_time = time.monotonic()
             request_output = self._make_request_output(state, finish_reason, stop_reason, finished)
             if request_output is None:
                 continue
@@ -147,4 +160,6 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
         )

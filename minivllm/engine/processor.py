@@ -42,6 +42,7 @@ class Processor:
             sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
         )
         return request, prompt_text
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processor import PromptType
+from minivllm.metrics.reader import Metric
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,6 +32,13 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges under vLLM's metric names."""
+        return self.llm_engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
-from minivllm.core.outputs import EngineCoreOutput, LogprobsLists
+from minivllm.core.outputs import EngineCoreOutput, LogprobsLists, SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -43,7 +43,13 @@ class Scheduler:
                 f"tokens) cannot hold one request of max_model_len={self.max_model_len} tokens "
                 f"({blocks_per_request} blocks). Increase the KV cache size or decrease max_model_len."
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            hash_algo=cache_config.prefix_caching_hash_algo,
+        )
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -51,6 +57,7 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the worker must drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_computed_tokens_total = 0
 
     # ---- request intake -------------------------------------------------------------------
 
@@ -76,6 +83,22 @@ class Scheduler:
             self._free_request(request)
         if to_remove:
             self.running = [r for r in self.running if r.request_id not in to_remove]
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            num_computed_tokens=self.num_computed_tokens_total,
+            prefix_cache_requests=prefix.requests,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -106,6 +129,7 @@ class Scheduler:
         )
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        self.num_computed_tokens_total += output.total_num_scheduled_tokens
         return output
 
     def _schedule_running(
@@ -147,11 +171,13 @@ class Scheduler:
         scheduled_resumed: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting[0]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            # Prefix cache: new and preempted requests start from what is already computed.
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -160,7 +186,10 @@ class Scheduler:
                 scheduled_resumed.append(request)
             else:
                 scheduled_new.append(request)
+                request.num_cached_tokens = num_computed
+            self.kv_cache_manager.record_admission(request, num_computed)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
             new_block_ids[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -243,6 +272,7 @@ class Scheduler:
                     new_prompt_logprobs=new_prompt_logprobs,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
         if stopped:

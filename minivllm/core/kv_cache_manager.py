@@ -79,8 +79,9 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def record_admission(self, request: Request, num_cached_tokens: int) -> None:
-        """Count one lookup in the stats (once per admission, not per retry)."""
-        if self.enable_caching:
+        """Count one lookup in the stats (once per admission, not per retry); requests that
+        skip the cache (prompt logprobs) are not lookups."""
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
             self.prefix_cache_stats.requests += 1
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_cached_tokens

@@ -8,6 +8,13 @@ the number of holders and never negative, blocks held == cdiv(num_computed_token
 block_size)), the request state machine and the consistency of the SchedulerOutput diff with a
 stateful fake worker. At the end every request must be finished (or aborted) with exactly the
 expected tokens, and every block must be back in the free queue.
+
+The same scenarios also run with prefix caching on, with prompts drawn to share prefixes (a
+few random prefixes of 0-64 tokens plus random suffixes; some prompts identical; some
+requests with a cache salt or prompt logprobs). Then the checks also cover shared blocks (ref
+count == number of holders), the hash -> block map (consistent both ways), new and resumed
+requests starting at their cache hit, and, through the fake worker's simulated KV contents,
+that every hit block holds exactly the KV of the request's own prefix.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from core_utils import (
     EOS_TOKEN_ID,
     FIRST_SAMPLED_TOKEN_ID,
+    FakeWorker,
     create_requests,
     create_scheduler,
     run_to_completion,
@@ -38,6 +46,10 @@ class ReqSpec:
     eos_at: int | None  # output index at which the fake worker samples EOS
     ignore_eos: bool
     arrival_step: int
+    # Prefix caching scenarios only: explicit prompt tokens, salt and prompt logprobs.
+    prompt: list[int] | None = None
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -50,12 +62,23 @@ class Scenario:
     enable_chunked_prefill: bool
     requests: list[ReqSpec]
     aborts: list[tuple[int, int]]  # (step, request index)
+    enable_prefix_caching: bool = False
+    hash_algo: str = "sha256"
 
 
-def build_scenario(ints: Callable[[int, int], int], *, crowded: bool = False) -> Scenario:
+def _token_run(seed: int, length: int) -> list[int]:
+    """`length` pseudo-random prompt tokens (never EOS) determined by `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 900) for _ in range(length)]
+
+
+def build_scenario(
+    ints: Callable[[int, int], int], *, crowded: bool = False, prefix_caching: bool = False
+) -> Scenario:
     """A random scenario from `ints(lo, hi)` (hypothesis draws or a random.Random).
 
     crowded: the smallest legal cache, at least 6 requests and 4 seats (preemption likely).
+    prefix_caching: caching on, and prompts made of a few shared prefixes + random suffixes.
     """
     block_size = (2, 4, 8, 16, 32)[ints(0, 4)]
     max_model_len = ints(16, 256)
@@ -71,9 +94,26 @@ def build_scenario(ints: Callable[[int, int], int], *, crowded: bool = False) ->
     max_num_seqs = ints(4, 8) if crowded else ints(1, 8)
     num_requests = ints(6, 12) if crowded else ints(1, 12)
     late = ints(0, 1)
+    prefixes: list[list[int]] = []
+    hash_algo = "sha256"
+    if prefix_caching:
+        hash_algo = ("sha256", "builtin")[ints(0, 1)]
+        prefixes = [_token_run(ints(0, 1 << 16), ints(0, 64)) for _ in range(ints(1, 3))]
     requests = []
     for _ in range(num_requests):
-        prompt_len = min(ints(1, 200), max_model_len)
+        prompt = cache_salt = prompt_logprobs = None
+        if prefix_caching:
+            if requests and ints(0, 3) == 0:  # the same prompt as an earlier request
+                prompt = list(requests[ints(0, len(requests) - 1)].prompt)
+            else:
+                prefix = prefixes[ints(0, len(prefixes) - 1)]
+                prompt = prefix + _token_run(ints(0, 1 << 16), ints(0, 48))
+                prompt = prompt[:max_model_len] or [7]
+            cache_salt = "salt" if ints(0, 7) == 0 else None
+            prompt_logprobs = 1 if ints(0, 7) == 0 else None
+            prompt_len = len(prompt)
+        else:
+            prompt_len = min(ints(1, 200), max_model_len)
         max_tokens = ints(1, 50)
         eos_at = ints(0, 60) if ints(0, 2) == 0 else None
         requests.append(
@@ -83,6 +123,9 @@ def build_scenario(ints: Callable[[int, int], int], *, crowded: bool = False) ->
                 eos_at=eos_at,
                 ignore_eos=ints(0, 3) == 0,
                 arrival_step=ints(0, 20) if late else 0,
+                prompt=prompt,
+                cache_salt=cache_salt,
+                prompt_logprobs=prompt_logprobs,
             )
         )
     aborts = [(ints(0, 40), ints(0, num_requests - 1)) for _ in range(ints(0, 2))]
@@ -95,6 +138,8 @@ def build_scenario(ints: Callable[[int, int], int], *, crowded: bool = False) ->
         enable_chunked_prefill,
         requests,
         aborts,
+        prefix_caching,
+        hash_algo,
     )
 
 
@@ -109,7 +154,15 @@ def expected_num_tokens(spec: ReqSpec, max_model_len: int) -> tuple[int, set[Fin
     return length_cap, {FinishReason.LENGTH}
 
 
-def run_scenario(sc: Scenario) -> Scheduler:
+@dataclass
+class ScenarioRun:
+    scheduler: Scheduler
+    worker: FakeWorker
+    num_evictions: int  # cached hashes that disappeared from the map between two steps
+    num_resumed_with_hit: int  # preempted requests resumed at a prefix cache hit
+
+
+def run_scenario(sc: Scenario) -> ScenarioRun:
     scheduler = create_scheduler(
         num_blocks=sc.num_blocks,
         block_size=sc.block_size,
@@ -117,6 +170,8 @@ def run_scenario(sc: Scenario) -> Scheduler:
         max_num_seqs=sc.max_num_seqs,
         max_model_len=sc.max_model_len,
         enable_chunked_prefill=sc.enable_chunked_prefill,
+        enable_prefix_caching=sc.enable_prefix_caching,
+        prefix_caching_hash_algo=sc.hash_algo,
     )
     specs = {str(i): spec for i, spec in enumerate(sc.requests)}
     requests = {}
@@ -127,6 +182,9 @@ def run_scenario(sc: Scenario) -> Scheduler:
             max_tokens=spec.max_tokens,
             ignore_eos=spec.ignore_eos,
             start_index=i,
+            prompts=None if spec.prompt is None else [spec.prompt],
+            cache_salt=spec.cache_salt,
+            prompt_logprobs=spec.prompt_logprobs,
         )
         requests[req.request_id] = req
 
@@ -134,8 +192,14 @@ def run_scenario(sc: Scenario) -> Scheduler:
         return EOS_TOKEN_ID if index == specs[req_id].eos_at else FIRST_SAMPLED_TOKEN_ID + index
 
     aborted: set[str] = set()
+    cache = scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    seen_hashes: set[bytes | int] = set()
+    num_evictions = 0
 
     def before_step(i: int, sched: Scheduler) -> None:
+        nonlocal seen_hashes, num_evictions
+        num_evictions += len(seen_hashes - cache.keys())
+        seen_hashes = set(cache)
         for req_id, spec in specs.items():
             if spec.arrival_step == i:
                 sched.add_request(requests[req_id])
@@ -146,12 +210,13 @@ def run_scenario(sc: Scenario) -> Scheduler:
                 sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
     last_event = max([s.arrival_step for s in sc.requests] + [s for s, _ in sc.aborts])
+    worker = FakeWorker(token_fn)
     result = run_to_completion(
         scheduler,
         max_steps=20_000,
-        token_fn=token_fn,
         before_step=before_step,
         min_steps=last_event + 1,
+        worker=worker,
     )
 
     for req_id, req in requests.items():
@@ -172,23 +237,63 @@ def run_scenario(sc: Scenario) -> Scheduler:
     assert sum(r.num_preemptions for r in requests.values()) == scheduler.num_preemptions
     # Every request is announced to the worker as finished exactly once.
     assert sorted(result.finished_ids_sent) == sorted(requests)
-    return scheduler
+
+    # Prefix cache accounting: one lookup per admission (new or resumed), and the hits are
+    # exactly the tokens the worker was told were already computed.
+    resumed_at = [
+        n
+        for so in result.scheduler_outputs
+        for res, n in zip(
+            so.scheduled_cached_reqs.resumed_from_preemption,
+            so.scheduled_cached_reqs.num_computed_tokens,
+            strict=True,
+        )
+        if res
+    ]
+    # A preempted request resumes exactly once, unless it is aborted while it waits.
+    if aborted:
+        assert len(resumed_at) <= scheduler.num_preemptions
+    else:
+        assert len(resumed_at) == scheduler.num_preemptions
+    stats = scheduler.make_stats()
+    if sc.enable_prefix_caching:
+        # Requests that want prompt logprobs skip the lookup; whether they are counted is not
+        # pinned here (see test_prefix_caching.py).
+        admitted = [r.req_id for so in result.scheduler_outputs for r in so.scheduled_new_reqs]
+        admitted += [
+            req_id
+            for so in result.scheduler_outputs
+            for req_id, res in zip(
+                so.scheduled_cached_reqs.req_ids,
+                so.scheduled_cached_reqs.resumed_from_preemption,
+                strict=True,
+            )
+            if res
+        ]
+        looked_up = [r for r in admitted if specs[r].prompt_logprobs is None]
+        assert len(looked_up) <= stats.prefix_cache_requests <= len(admitted)
+        assert stats.prefix_cache_hits == worker.num_cache_hit_tokens
+        assert stats.prefix_cache_hits <= stats.prefix_cache_queries
+        assert (
+            sum(max(r.num_cached_tokens, 0) for r in requests.values()) <= stats.prefix_cache_hits
+        )
+        assert scheduler.reset_prefix_cache() is True
+        assert not cache and all(
+            b.block_hash is None for b in scheduler.kv_cache_manager.block_pool.blocks
+        )
+    else:
+        assert (stats.prefix_cache_requests, stats.prefix_cache_hits) == (0, 0)
+        assert worker.num_cache_hit_tokens == 0 and not cache
+    return ScenarioRun(scheduler, worker, num_evictions, sum(n > 0 for n in resumed_at))
 
 
 @st.composite
-def scenarios(draw) -> Scenario:
-    return build_scenario(lambda lo, hi: draw(st.integers(lo, hi)))
+def scenarios(draw, prefix_caching: bool = False) -> Scenario:
+    return build_scenario(lambda lo, hi: draw(st.integers(lo, hi)), prefix_caching=prefix_caching)
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(scenarios())
-def test_random_mixes_run_to_completion(sc: Scenario):
-    scheduler = run_scenario(sc)
-    event("preempted" if scheduler.num_preemptions else "no preemption")
+def _events(sc: Scenario, run: ScenarioRun) -> None:
+    event("preempted" if run.scheduler.num_preemptions else "no preemption")
     if any(s.prompt_len > sc.max_num_batched_tokens for s in sc.requests):
         event("chunked prompt")
     if not sc.enable_chunked_prefill:
@@ -199,6 +304,32 @@ def test_random_mixes_run_to_completion(sc: Scenario):
         s.eos_at is not None and not s.ignore_eos and s.eos_at < s.max_tokens for s in sc.requests
     ):
         event("EOS stop")
+    if sc.enable_prefix_caching:
+        hits = run.scheduler.make_stats().prefix_cache_hits
+        event("prefix cache hit" if hits else "no prefix cache hit")
+        if run.num_evictions:
+            event("cached block evicted")
+        if run.num_resumed_with_hit:
+            event("resumed at a cache hit")
+
+
+_SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@_SETTINGS
+@given(scenarios())
+def test_random_mixes_run_to_completion(sc: Scenario):
+    _events(sc, run_scenario(sc))
+
+
+@_SETTINGS
+@given(scenarios(prefix_caching=True))
+def test_random_mixes_with_prefix_caching_run_to_completion(sc: Scenario):
+    _events(sc, run_scenario(sc))
 
 
 def test_preemption_is_exercised_by_the_scenarios():
@@ -208,5 +339,25 @@ def test_preemption_is_exercised_by_the_scenarios():
     num_runs = 30
     for seed in range(num_runs):
         sc = build_scenario(random.Random(seed).randint, crowded=True)
-        preempted += run_scenario(sc).num_preemptions > 0
+        preempted += run_scenario(sc).scheduler.num_preemptions > 0
     assert preempted >= num_runs // 3, preempted  # 18 of 30 at the time of writing
+
+
+def test_prefix_caching_scenarios_hit_evict_and_preempt():
+    """Deterministic companion of the prefix caching property test: crowded caches with shared
+    prefixes do produce cache hits, evictions of cached blocks, preemptions and resumptions
+    at a cache hit (all checked step by step as above)."""
+    counts = {"hit": 0, "evicted": 0, "preempted": 0, "resumed at hit": 0}
+    num_runs = 30
+    for seed in range(num_runs):
+        sc = build_scenario(random.Random(seed).randint, crowded=True, prefix_caching=True)
+        run = run_scenario(sc)
+        counts["hit"] += run.scheduler.make_stats().prefix_cache_hits > 0
+        counts["evicted"] += run.num_evictions > 0
+        counts["preempted"] += run.scheduler.num_preemptions > 0
+        counts["resumed at hit"] += run.num_resumed_with_hit > 0
+    # 29, 29, 22 and 20 of 30 at the time of writing.
+    assert counts["hit"] >= num_runs * 3 // 4, counts
+    assert counts["evicted"] >= num_runs // 2, counts
+    assert counts["preempted"] >= num_runs // 2, counts
+    assert counts["resumed at hit"] >= num_runs // 3, counts

@@ -19,6 +19,10 @@ _EXPORTS = {
     "Logprob": "minivllm.outputs",
     "EngineArgs": "minivllm.engine.arg_utils",
     "LLMEngine": "minivllm.engine.llm_engine",
+    "AsyncLLM": "minivllm.engine.async_llm",
+    "AsyncEngineArgs": "minivllm.engine.async_llm",
+    "EngineDeadError": "minivllm.engine.exceptions",
+    "RequestOutputKind": "minivllm.sampling_params",
 }
 
 __all__ = [
@@ -29,14 +33,20 @@ __all__ = [
     "Logprob",
     "EngineArgs",
     "LLMEngine",
+    "AsyncLLM",
+    "AsyncEngineArgs",
+    "EngineDeadError",
+    "RequestOutputKind",
 ]
 
 if TYPE_CHECKING:
     from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.async_llm import AsyncEngineArgs, AsyncLLM
+    from minivllm.engine.exceptions import EngineDeadError
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.entrypoints.llm import LLM
     from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from minivllm.sampling_params import SamplingParams
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

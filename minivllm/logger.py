@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from minivllm import envs
 
 _ROOT = "minivllm"
 _configured = False
@@ -16,7 +17,7 @@ def _configure_root() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
     root.addHandler(handler)
-    root.setLevel(os.environ.get("MINIVLLM_LOGGING_LEVEL", "INFO").upper())
+    root.setLevel(envs.logging_level())
     root.propagate = False
     _configured = True
 

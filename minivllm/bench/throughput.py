@@ -29,19 +29,47 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Also run the workload through transformers' batched generate.")
     parser.add_argument("--hf-max-batch-size", type=int, default=64)
     parser.add_argument("--compare-prefix-caching", action="store_true",
-                        help="Run the workload with prefix caching off, then on, in the same process.")
+                        help="Run the workload with prefix caching off, then on, in the same run.")
+    parser.add_argument("--compare-multiprocessing", action="store_true",
+                        help="Run the workload with the engine core in-process, then in its own process.")
     parser.add_argument("--output-json", type=str, default=None)
     EngineArgs.add_cli_args(parser, skip=("seed",))
     parser.add_argument("--seed", type=int, default=0, help="Dataset and engine seed.")
 
 
-def run_minivllm(args: argparse.Namespace, requests: list[SampleRequest], **overrides: Any) -> dict[str, Any]:
+# name -> [(label, engine-arg overrides, environment)] run one after the other in one process.
+COMPARISONS: dict[str, list[tuple[str, dict[str, Any], dict[str, str]]]] = {
+    "compare_prefix_caching": [
+        ("minivllm[no prefix caching]", {"enable_prefix_caching": False}, {}),
+        ("minivllm[prefix caching]", {"enable_prefix_caching": True}, {}),
+    ],
+    "compare_multiprocessing": [
+        ("minivllm[in-process]", {}, {"MINIVLLM_ENABLE_MULTIPROCESSING": "0"}),
+        ("minivllm[engine process]", {}, {"MINIVLLM_ENABLE_MULTIPROCESSING": "1"}),
+    ],
+}
+
+
+def run_minivllm(
+    args: argparse.Namespace, requests: list[SampleRequest], overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    import os
     import statistics
 
     from minivllm import LLM, SamplingParams
 
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     start = time.perf_counter()
-    llm = LLM(**(vars(EngineArgs.from_cli_args(args)) | overrides))
+    try:
+        llm = LLM(**(vars(EngineArgs.from_cli_args(args)) | (overrides or {})))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     startup = time.perf_counter() - start
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=r.expected_output_len, ignore_eos=True)
@@ -56,13 +84,16 @@ def run_minivllm(args: argparse.Namespace, requests: list[SampleRequest], **over
     elapsed = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts_ms = [1000 * o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.first_token_time]
+    model_config = llm.llm_engine.vllm_config.model_config
+    # Stop the engine before the next variant starts, so that they never compete for the CPU.
+    llm.llm_engine.shutdown()
     return _figures(requests, num_output, elapsed) | {
         "mean_ttft_ms": statistics.fmean(ttfts_ms),
         "median_ttft_ms": statistics.median(ttfts_ms),
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
         "startup_time": startup,
-        "dtype": llm.llm_engine.vllm_config.model_config.dtype,
-        "model": llm.llm_engine.vllm_config.model_config.model,
+        "dtype": model_config.dtype,
+        "model": model_config.model,
     }
 
 
@@ -125,19 +156,14 @@ def main(args: argparse.Namespace) -> None:
         args.num_prompts, args.input_len, args.output_len, vocab_size, args.range_ratio,
         args.prefix_len, args.seed, _input_len_range(args),
     )
-    if args.compare_prefix_caching:
-        results = {
-            "minivllm[no prefix caching]": run_minivllm(args, requests, enable_prefix_caching=False),
-            "minivllm[prefix caching]": run_minivllm(args, requests, enable_prefix_caching=True),
-        }
-        results["minivllm"] = results["minivllm[prefix caching]"]
+    comparison = next((COMPARISONS[name] for name in COMPARISONS if getattr(args, name)), None)
+    if comparison is not None:
+        results = {label: run_minivllm(args, requests, overrides, env) for label, overrides, env in comparison}
     else:
         results = {"minivllm": run_minivllm(args, requests)}
     if args.hf_compare:
-        results["transformers"] = run_hf(args, requests, model_path, results["minivllm"]["dtype"])
+        results["transformers"] = run_hf(args, requests, model_path, next(iter(results.values()))["dtype"])
     for name, r in results.items():
-        if name == "minivllm" and args.compare_prefix_caching:
-            continue
         ttft = f", mean TTFT {r['mean_ttft_ms']:.0f} ms" if "mean_ttft_ms" in r else ""
         print(
             f"{name:>12}: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total "
@@ -145,22 +171,24 @@ def main(args: argparse.Namespace) -> None:
             f"({r['total_output_tokens']} output tokens in {r['elapsed_time']:.1f} s{ttft}; "
             f"startup {r['startup_time']:.1f} s)"
         )
-    if args.compare_prefix_caching:
-        off, on = results["minivllm[no prefix caching]"], results["minivllm[prefix caching]"]
+    if comparison is not None:
+        (first, a), (second, b) = ((label, results[label]) for label, _, _ in comparison)
         print(
-            f"prefix caching: {on['num_cached_prompt_tokens']} prompt tokens from the cache; total time "
-            f"{off['elapsed_time'] / on['elapsed_time']:.2f}x faster, mean TTFT "
-            f"{off['mean_ttft_ms'] / on['mean_ttft_ms']:.2f}x lower"
+            f"{second} vs {first}: total time {a['elapsed_time'] / b['elapsed_time']:.2f}x faster, "
+            f"output throughput {b['output_tokens_per_second'] / a['output_tokens_per_second']:.2f}x, "
+            f"mean TTFT {a['mean_ttft_ms'] / b['mean_ttft_ms']:.2f}x lower"
+            + (f" ({b['num_cached_prompt_tokens']} prompt tokens from the prefix cache)" if args.compare_prefix_caching else "")
         )
+    ours = results[comparison[-1][0]] if comparison is not None else results["minivllm"]
     if "transformers" in results:
-        ratio = results["minivllm"]["output_tokens_per_second"] / results["transformers"]["output_tokens_per_second"]
+        ratio = ours["output_tokens_per_second"] / results["transformers"]["output_tokens_per_second"]
         print(f"minivllm / transformers output throughput: {ratio:.2f}x")
     if args.output_json:
         payload = {
             "config": {k: v for k, v in vars(args).items() if k != "func"},
             "environment": {"python": platform.python_version(), "machine": platform.machine(),
                             "processor": platform.processor(), "torch": _torch_version()},
-            **results["minivllm"],
+            **ours,
             "results": results,
         }
         with open(args.output_json, "w") as f:

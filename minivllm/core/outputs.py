@@ -1,29 +1,35 @@
 """What crosses the engine-core boundaries each step, as plain data.
 
 ModelRunnerOutput goes from the worker to Scheduler.update_from_output; EngineCoreOutput goes
-from the scheduler to the front end (and, later, over IPC). Neither holds tensors: the worker
-converts its results to Python lists once per step, in one device-to-host copy.
+from the scheduler to the front end, over IPC when the engine runs in its own process. Neither
+holds tensors: token ids are Python lists, logprobs numpy arrays (the serializer ships them as
+raw buffers; this module itself imports nothing but msgspec).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from minivllm.core.request import FinishReason
 
 
-class LogprobsLists(NamedTuple):
-    """Logprobs of sampled tokens, one row per sampled token.
+class LogprobsArrays(NamedTuple):
+    """Logprobs of chosen tokens, one row per token, as numpy arrays.
 
     Row layout: index 0 is the chosen token (sampled, or the actual prompt token), 1..N the top-N
     tokens of the raw model distribution, where N is the largest number asked for.
     """
 
-    logprob_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    token_ranks: list[int]  # 1-based rank of the chosen token (sampled, or the prompt token)
+    logprob_token_ids: Any  # np.ndarray [rows, 1 + N] int64
+    logprobs: Any  # np.ndarray [rows, 1 + N] float32
+    token_ranks: Any  # np.ndarray [rows] int64, 1-based rank of the chosen token
+
+    def slice_rows(self, start: int, end: int, width: int) -> LogprobsArrays:
+        return LogprobsArrays(
+            self.logprob_token_ids[start:end, :width], self.logprobs[start:end, :width], self.token_ranks[start:end]
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
@@ -34,9 +40,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # (a prefill chunk that ends before the prompt does).
     sampled_token_ids: list[list[int]]
     # Rows follow sampled_token_ids flattened; None when no request in the step asked for them.
-    logprobs: LogprobsLists | None = None
+    logprobs: LogprobsArrays | None = None
     # req_id -> logprobs of the prompt tokens this step's chunk predicted (one row per token).
-    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsArrays] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -44,8 +50,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: LogprobsLists | None = None
-    new_prompt_logprobs: LogprobsLists | None = None
+    new_logprobs: LogprobsArrays | None = None
+    new_prompt_logprobs: LogprobsArrays | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -67,10 +73,3 @@ class SchedulerStats(msgspec.Struct, gc=False):
     prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
-
-
-class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
-    """Everything one engine-core step produced."""
-
-    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
-    scheduler_stats: SchedulerStats | None = None

@@ -10,10 +10,10 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
+from minivllm import envs
 from minivllm.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
@@ -89,7 +89,7 @@ class EngineArgs:
         )
         space = self.cpu_kvcache_space_gib
         if space is None:
-            space = float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "4"))
+            space = envs.cpu_kvcache_space_gib()
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

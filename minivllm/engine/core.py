@@ -1,24 +1,50 @@
-"""EngineCore: the inner loop of the engine — schedule, execute, update — one step at a time.
+"""EngineCore: the inner loop of the engine — schedule, execute, update — one step at a time;
+and EngineCoreProc, the same core behind two ZMQ sockets, run in its own process.
 
-It owns the Scheduler and the executor (and through it the workers and the KV cache). It sizes
-the KV cache at start-up: the workers say how many blocks fit, the scheduler's KV manager is
-built with exactly that many.
+EngineCore owns the Scheduler and the executor (and through it the workers and the KV cache).
+It sizes the KV cache at start-up: the workers say how many blocks fit, the scheduler's KV
+manager is built with exactly that many.
+
+EngineCoreProc's busy loop: when idle, block on the input queue; when there is work, drain the
+new messages without blocking, step, and queue the outputs. Two threads own the sockets and do
+the (de)serialization, so it overlaps the model step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import queue
+import shutil
+import signal
+import threading
 import time
+import traceback
+from typing import Any
+
+import zmq
 
 from minivllm.config import VllmConfig
-from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.outputs import SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
-from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.messages import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineReady,
+    UtilityCall,
+    UtilityResult,
+)
+from minivllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Methods a front end may call by name (UtilityCall).
+UTILITY_METHODS = frozenset({"get_scheduler_stats", "reset_prefix_cache", "shutdown"})
 
 
 class EngineCore:
@@ -59,5 +85,154 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+
+class EngineCoreProc(EngineCore):
+    """An EngineCore serving a front end over ZMQ (input: PULL, output: PUSH; the front end binds)."""
+
+    def __init__(self, vllm_config: VllmConfig, input_address: str, output_address: str) -> None:
+        super().__init__(vllm_config)
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | bytes | None] = queue.Queue()
+        self._shutdown_requested = False
+        self.orphaned = False  # the front end died without shutting us down
+        self._ctx = zmq.Context()
+        self._input_thread = threading.Thread(
+            target=self._input_loop, args=(input_address,), name="EngineCoreInput", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._output_loop, args=(output_address,), name="EngineCoreOutput", daemon=True
+        )
+
+    def start_io(self) -> None:
+        self._input_thread.start()
+        self._output_thread.start()
+
+    def _input_loop(self, address: str) -> None:
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
+        }
+        socket = self._ctx.socket(zmq.PULL)
+        socket.connect(address)
+        try:
+            while True:
+                kind, payload = socket.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(kind.bytes)
+                self.input_queue.put((request_type, decoders[request_type].decode(payload.buffer)))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            socket.close(linger=0)
+
+    def _output_loop(self, address: str) -> None:
+        encoder = MsgpackEncoder()
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.connect(address)
+        try:
+            while (item := self.output_queue.get()) is not None:
+                socket.send(item if isinstance(item, bytes) else encoder.encode(item), copy=False)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            socket.close(linger=1000)
+
+    def run_busy_loop(self, parent_pid: int | None) -> None:
+        while not self._shutdown_requested:
+            self._process_input_queue(parent_pid)
+            if self.scheduler.has_unfinished_requests():
+                self.output_queue.put(self.step())
+
+    def _process_input_queue(self, parent_pid: int | None) -> None:
+        """Block while idle (waking up to notice an orphaned process), then drain what came in."""
+        while not self.scheduler.has_unfinished_requests() and not self._shutdown_requested:
+            try:
+                self._handle(*self.input_queue.get(timeout=1.0))
+                break
+            except queue.Empty:
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    logger.warning("Front-end process %d is gone; shutting down the engine core.", parent_pid)
+                    self._shutdown_requested = self.orphaned = True
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+
+    def _handle(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if request_type == EngineCoreRequestType.ADD:
+            self.add_request(payload)
+        elif request_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(payload)
+        else:
+            self.output_queue.put(EngineCoreOutputs(utility_result=self._call_utility(payload)))
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in UTILITY_METHODS:
+            return UtilityResult(call.call_id, error=f"Unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=getattr(self, call.method)(*call.args))
+        except Exception as e:  # reported to the caller; the engine keeps serving
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def shutdown(self) -> bool:
+        self._shutdown_requested = True
+        return True
+
+    def close(self) -> None:
+        self.output_queue.put(None)
+        self._output_thread.join(timeout=5)
+        self._ctx.term()
+
+
+def run_engine_core(
+    vllm_config: VllmConfig, input_address: str, output_address: str, parent_pid: int | None
+) -> None:
+    """Entry point of the engine process (and of the engine thread in debug mode).
+
+    Reports EngineReady (or the start-up error) first on the output channel; if the loop dies
+    of an exception, sends ENGINE_CORE_DEAD so the front end fails its requests at once.
+    """
+    if parent_pid is not None:  # its own process, not a thread
+        # The front end owns Ctrl-C and shuts us down; SIGTERM ends the loop cleanly.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+    engine: EngineCoreProc | None = None
+    try:
+        engine = EngineCoreProc(vllm_config, input_address, output_address)
+    except BaseException as e:
+        _send_direct(
+            output_address,
+            EngineReady(error=str(e), error_type=type(e).__name__, error_traceback=traceback.format_exc()),
+        )
+        raise
+    engine.output_queue.put_nowait(EngineReady(num_gpu_blocks=engine.vllm_config.cache_config.num_gpu_blocks or 0))
+    engine.start_io()
+    try:
+        engine.run_busy_loop(parent_pid)
+    except SystemExit:
+        pass
+    except BaseException:
+        logger.exception("The engine core failed")
+        engine.output_queue.put(ENGINE_CORE_DEAD)
+        raise
+    finally:
+        engine.close()
+        if engine.orphaned:  # nobody else will remove the front end's socket directory
+            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _send_direct(address: str, message: Any) -> None:
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.PUSH)
+    socket.connect(address)
+    socket.send(MsgpackEncoder().encode(message))
+    socket.close(linger=2000)
+    ctx.term()

@@ -12,8 +12,9 @@ from typing import Any
 import msgspec
 
 from minivllm.config import VllmConfig
+from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.core import EngineCore
+from minivllm.engine.core_client import make_sync_client
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.processor import Processor, PromptType
@@ -26,10 +27,17 @@ from minivllm.transformers_utils import get_tokenizer
 
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
-        self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        self.processor = Processor(vllm_config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(vllm_config)
+        # The engine core in its own process (default) or in this one; a process loads the
+        # model while this one loads the tokenizer.
+        self.engine_core = make_sync_client(vllm_config)
+        try:
+            self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+            self.processor = Processor(vllm_config.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.wait_for_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats()
 
@@ -69,7 +77,9 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        if not self.has_unfinished_requests():
+            return []  # NOTE: an idle engine process sends nothing to wait for
+        core_outputs = self.engine_core.get_output()
         self.stats.record_scheduler_stats(core_outputs.scheduler_stats)
         processed = self.output_processor.process_outputs(core_outputs.outputs, self.stats)
         if processed.reqs_to_abort:
@@ -81,4 +91,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False if requests are still using blocks."""
-        return self.engine_core.reset_prefix_cache()
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """The engine core's current state (running/waiting requests, KV cache usage...)."""
+        return msgspec.convert(self.engine_core.call_utility("get_scheduler_stats"), SchedulerStats)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, sockets and files); the engine is unusable after."""
+        self.engine_core.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.core.outputs import LogprobsLists
+from minivllm.core.outputs import LogprobsArrays
 from minivllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from minivllm.sampling_params import SamplingParams
 
@@ -23,21 +23,22 @@ class LogprobsProcessor:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
 
-    def update(self, new_logprobs: LogprobsLists | None, new_prompt_logprobs: LogprobsLists | None) -> None:
+    def update(self, new_logprobs: LogprobsArrays | None, new_prompt_logprobs: LogprobsArrays | None) -> None:
         if new_logprobs is not None and self.logprobs is not None:
             positions = self._positions(new_logprobs, self.num_logprobs or 0)
             self.logprobs.extend(positions)
             assert self.cumulative_logprob is not None
-            self.cumulative_logprob += sum(values[0] for values in new_logprobs.logprobs)
+            self.cumulative_logprob += float(new_logprobs.logprobs[:, 0].sum(dtype="float64"))
         if new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._positions(new_prompt_logprobs, self.num_prompt_logprobs or 0))
 
-    def _positions(self, rows: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
+    def _positions(self, rows: LogprobsArrays, num: int) -> list[dict[int, Logprob]]:
         width = num + 1
-        ids_rows = [ids[:width] for ids in rows.logprob_token_ids]
+        ids_rows = rows.logprob_token_ids[:, :width].tolist()
+        values_rows = rows.logprobs[:, :width].tolist()
         texts = self._decode_each(ids_rows)
         positions = []
-        for ids, values, rank, words in zip(ids_rows, rows.logprobs, rows.token_ranks, texts, strict=True):
+        for ids, values, rank, words in zip(ids_rows, values_rows, rows.token_ranks.tolist(), texts, strict=True):
             position = {
                 token_id: Logprob(value, i, word)
                 for i, (token_id, value, word) in enumerate(zip(ids[1:], values[1:width], words[1:], strict=True), 1)

@@ -15,7 +15,7 @@ import torch
 
 from minivllm.attention.backend import CommonAttentionMetadata, get_attn_backend
 from minivllm.core.kv_cache_manager import cdiv
-from minivllm.core.outputs import LogprobsLists, ModelRunnerOutput
+from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.model.loader import get_model
 from minivllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
@@ -107,7 +107,7 @@ class ModelRunner:
                 batch.append_token(row, token_id)
                 self.requests[batch.req_ids[row]].output_token_ids.append(token_id)
             if sampler_output.logprobs_tensors is not None:
-                logprobs = _to_lists(sampler_output.logprobs_tensors)
+                logprobs = _to_arrays(sampler_output.logprobs_tensors)
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             sampled_token_ids=sampled_token_ids,
@@ -117,7 +117,7 @@ class ModelRunner:
 
     def _compute_prompt_logprobs(
         self, hidden_states: torch.Tensor, query_start_loc: np.ndarray
-    ) -> dict[str, LogprobsLists]:
+    ) -> dict[str, LogprobsArrays]:
         """Logprobs of the prompt tokens this step's chunk predicts, for requests that ask.
 
         The hidden state at position p predicts prompt token p + 1. Positions already reported
@@ -125,7 +125,7 @@ class ModelRunner:
         [tokens, vocab] logits could take gigabytes.
         """
         batch = self.input_batch
-        results: dict[str, LogprobsLists] = {}
+        results: dict[str, LogprobsArrays] = {}
         for row in np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0).tolist():
             state = self.requests[batch.req_ids[row]]
             num_logprobs = int(batch.sampling.num_prompt_logprobs[row])
@@ -147,7 +147,7 @@ class ModelRunner:
                 parts.append(
                     gather_logprobs(logits.log_softmax(dim=-1), num_logprobs, targets[offset : offset + n])
                 )
-            results[state.req_id] = _to_lists(LogprobsTensors(*(torch.cat(ts) for ts in zip(*parts, strict=True))))
+            results[state.req_id] = _to_arrays(LogprobsTensors(*(torch.cat(ts) for ts in zip(*parts, strict=True))))
             state.num_prompt_logprobs_done = last + 1
         return results
 
@@ -248,8 +248,8 @@ class ModelRunner:
 _PROMPT_LOGPROBS_SLICE = 512
 
 
-def _to_lists(t: LogprobsTensors) -> LogprobsLists:
-    return LogprobsLists(t.logprob_token_ids.tolist(), t.logprobs.tolist(), t.token_ranks.tolist())
+def _to_arrays(t: LogprobsTensors) -> LogprobsArrays:
+    return LogprobsArrays(t.logprob_token_ids.cpu().numpy(), t.logprobs.cpu().numpy(), t.token_ranks.cpu().numpy())
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from core_utils import (
     EOS_TOKEN_ID,
@@ -24,7 +25,7 @@ from core_utils import (
 )
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.outputs import LogprobsLists, ModelRunnerOutput
+from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.core.request import FinishReason, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
 
@@ -626,10 +627,10 @@ def test_logprobs_rows_are_sliced_per_request():
     assert so.num_scheduled_tokens == {"0": 4, "1": 4, "2": 4, "3": 8}
     # Rows follow the flattened sampled tokens, in the runner's order ("3" samples nothing);
     # row width is 1 + the largest `logprobs` of the batch.
-    rows = LogprobsLists(
-        logprob_token_ids=[[10, 7, 8], [11, 11, 9], [12, 5, 12]],
-        logprobs=[[-0.1, -1.0, -2.0], [-0.2, -0.2, -3.0], [-0.5, -0.4, -0.5]],
-        token_ranks=[1, 1, 2],
+    rows = LogprobsArrays(
+        logprob_token_ids=np.array([[10, 7, 8], [11, 11, 9], [12, 5, 12]]),
+        logprobs=np.array([[-0.1, -1.0, -2.0], [-0.2, -0.2, -3.0], [-0.5, -0.4, -0.5]]),
+        token_ranks=np.array([1, 1, 2]),
     )
     outs = scheduler.update_from_output(
         so,
@@ -641,9 +642,10 @@ def test_logprobs_rows_are_sliced_per_request():
     )
     by_id = {o.request_id: o for o in outs}
     assert set(by_id) == {"0", "1", "2"}
-    assert by_id["0"].new_logprobs == LogprobsLists([[10, 7, 8]], [[-0.1, -1.0, -2.0]], [1])
+    as_lists = lambda lp: tuple(x.tolist() for x in lp)  # noqa: E731
+    assert as_lists(by_id["0"].new_logprobs) == ([[10, 7, 8]], [[-0.1, -1.0, -2.0]], [1])
     assert by_id["1"].new_logprobs is None
-    assert by_id["2"].new_logprobs == LogprobsLists([[12]], [[-0.5]], [2])
+    assert as_lists(by_id["2"].new_logprobs) == ([[12]], [[-0.5]], [2])
     assert [by_id[r].new_token_ids for r in ("0", "1", "2")] == [[10], [11], [12]]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_utils import assert_engine_idle, num_preemptions
 from reference import check_logprobs_close, hf_greedy, smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
@@ -70,12 +71,10 @@ def test_tiny_models_match_hf(tiny_case, variant):
     llm = LLM(str(model_dir), dtype="float32", **ENGINE_VARIANTS[variant])
     outputs = generate_greedy(llm, prompts)
     check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1=f"minivllm[{variant}]")
-    scheduler = llm.llm_engine.engine_core.scheduler
     if variant == "preemption":
-        assert scheduler.num_preemptions > 0, "the small KV cache should have forced preemption"
+        assert num_preemptions(llm) > 0, "the small KV cache should have forced preemption"
     # Every block is back in the pool once all requests have finished.
-    kv = scheduler.kv_cache_manager
-    assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
+    assert_engine_idle(llm)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_utils import assert_engine_idle
 from reference import check_logprobs_close, hf_greedy
 
 from minivllm import LLM, SamplingParams
@@ -16,14 +17,6 @@ def llm(make_tiny_model) -> LLM:
 
 def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def assert_no_leak(llm: LLM) -> None:
-    scheduler = llm.llm_engine.engine_core.scheduler
-    kv = scheduler.kv_cache_manager
-    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_prompt_forms_agree_and_keep_order(llm):
@@ -90,7 +83,7 @@ def test_eos_stops_unless_ignored(llm):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[0].outputs[0].token_ids == [base[0]] and outs[0].outputs[0].finish_reason == "stop"
-    assert_no_leak(llm)
+    assert_engine_idle(llm)
 
 
 def test_max_model_len_caps_output(llm):
@@ -140,7 +133,7 @@ def test_bad_prompt_is_rejected_and_engine_keeps_serving(llm, prompt, message):
     expected = llm.generate(good, greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match=message):
         llm.generate([good[0], prompt, good[1]], greedy(), use_tqdm=False)
-    assert_no_leak(llm)
+    assert_engine_idle(llm)
     again = llm.generate(good, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
 
@@ -162,7 +155,7 @@ def test_bad_request_does_not_disturb_running_ones(llm):
         finished.update({o.request_id: o for o in engine.step()})
     assert finished["a"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert finished["b"].outputs[0].token_ids == expected[1].outputs[0].token_ids
-    assert_no_leak(llm)
+    assert_engine_idle(llm)
 
 
 def test_abort_frees_blocks(llm):
@@ -172,7 +165,7 @@ def test_abort_frees_blocks(llm):
     engine.step()
     engine.abort_request(["x", "y"])
     assert engine.step() == []
-    assert_no_leak(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_utils import assert_engine_idle
 from reference import check_logprobs_close, smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
@@ -35,11 +36,6 @@ def run(model: str, prompts, params, **kwargs):
     return llm, outs
 
 
-def assert_no_leak(llm: LLM) -> None:
-    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
-    assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
-
-
 def shared_prefix_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(500)]
@@ -64,7 +60,7 @@ def check_same_outputs_and_hits(model: str, prompts: list[list[int]], exact: boo
     computed_off = metric(off, "minivllm:computed_tokens")
     assert computed_off - metric(on, "minivllm:computed_tokens") == expected_hits
     assert [o.num_cached_tokens for o in outs_on] == [0] + [common_blocks(prompts[0], p) * BLOCK for p in prompts[1:]]
-    assert_no_leak(on)
+    assert_engine_idle(on)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -141,7 +137,7 @@ def test_eviction_under_pressure(make_tiny_model):
     assert [o.num_cached_tokens for o in outs[1::2]] == [64] * 12
     # The first prefix was evicted long ago by the eleven others (23 usable blocks).
     assert llm.generate([prompts[0]], params, use_tqdm=False)[0].num_cached_tokens == 0
-    assert_no_leak(llm)
+    assert_engine_idle(llm)
 
 
 def test_metrics_names(make_tiny_model):

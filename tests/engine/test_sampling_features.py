@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import assert_engine_idle, num_preemptions
 from reference import load_hf_model
 
 from minivllm import LLM, SamplingParams
@@ -102,7 +103,7 @@ def test_prompt_logprobs_survive_preemption(model_dir):
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=17, max_model_len=256)
     prompts = [list(range(10, 10 + 120)), list(range(500, 500 + 120))]
     outs = llm.generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert num_preemptions(llm) > 0
     alone = LLM(str(model_dir), dtype="float32").generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
     for a, b in zip(outs, alone, strict=True):
         assert len(a.prompt_logprobs) == 120
@@ -153,9 +154,7 @@ def test_stop_strings(llm):
     kept = llm.generate([PROMPTS[3]], greedy(max_tokens=20, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
     assert kept[0].outputs[0].text == base.text[: cut + len(stop)]
     # The engine core aborted the request: nothing is left running, no block is held.
-    scheduler = llm.llm_engine.engine_core.scheduler
-    assert not scheduler.requests
-    assert scheduler.kv_cache_manager.get_num_free_blocks() == scheduler.kv_cache_manager.block_pool.num_blocks - 1
+    assert_engine_idle(llm)
 
 
 def test_token_controls(llm):

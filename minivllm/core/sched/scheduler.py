@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
-from minivllm.core.outputs import EngineCoreOutput, LogprobsLists, SchedulerStats
+from minivllm.core.outputs import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -300,17 +300,12 @@ class Scheduler:
 
     @staticmethod
     def _slice_logprobs(
-        request: Request, logprobs: LogprobsLists | None, start: int, end: int
-    ) -> LogprobsLists | None:
+        request: Request, logprobs: LogprobsArrays | None, start: int, end: int
+    ) -> LogprobsArrays | None:
         num_logprobs = request.sampling_params.logprobs
         if logprobs is None or num_logprobs is None or start == end:
             return None
-        width = num_logprobs + 1
-        return LogprobsLists(
-            [ids[:width] for ids in logprobs.logprob_token_ids[start:end]],
-            [lps[:width] for lps in logprobs.logprobs[start:end]],
-            logprobs.token_ranks[start:end],
-        )
+        return logprobs.slice_rows(start, end, num_logprobs + 1)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

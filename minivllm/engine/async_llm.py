@@ -1,0 +1,172 @@
+"""AsyncLLM: the asyncio front end the server uses; many concurrent generate() calls share one
+engine core running in its own process.
+
+generate() tokenizes and validates in this process, sends the request to the engine core, and
+yields RequestOutputs from a per-request queue. One output_handler task receives every step's
+outputs, runs output processing (detokenization, stop strings, logprobs) here, and routes each
+RequestOutput to its request's queue. Cancelling a generate() (or abort()) aborts the request in
+the engine, which frees its blocks. If the engine dies, every pending and future call raises
+EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from minivllm import envs
+from minivllm.config import VllmConfig
+from minivllm.core.outputs import SchedulerStats
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.core_client import AsyncMPClient
+from minivllm.engine.exceptions import EngineDeadError
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.parallel_sampling import ParentRequest
+from minivllm.engine.processor import Processor, PromptType
+from minivllm.logger import init_logger
+from minivllm.metrics.reader import Metric, get_metrics_snapshot
+from minivllm.metrics.stats import EngineStats
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.transformers_utils import get_tokenizer
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs for AsyncLLM (same fields; vLLM's name for them)."""
+
+
+class AsyncLLM:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        # NOTE: with multiprocessing off (debugging), the engine core runs in a thread instead.
+        self.engine_core = AsyncMPClient(vllm_config, use_thread=not envs.enable_multiprocessing())
+        try:
+            self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+            self.processor = Processor(vllm_config.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.wait_for_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.vllm_config = self.engine_core.vllm_config
+        self.stats = EngineStats()
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.output_handler: asyncio.Task[None] | None = None
+        self.dead_error: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        return cls(engine_args.create_engine_config())
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.engine_core.engine_dead
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request (cumulative, delta or final, per output_kind)."""
+        queue = await self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                await self.abort(request_id)
+            raise
+        finally:
+            self.queues.pop(request_id, None)
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        self.check_health()
+        self._start_output_handler()
+        if request_id in self.queues:
+            raise ValueError(f"Request id {request_id!r} is already in the engine.")
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        if params.n == 1:
+            children = [(request, None, 0)]
+        else:
+            parent = ParentRequest(request_id, request.sampling_params)
+            children = [
+                (msgspec.structs.replace(request, request_id=parent.child_request_id(i),
+                                         sampling_params=parent.child_params(i)), parent, i)
+                for i in range(params.n)
+            ]
+        for child, parent, index in children:
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            await self.engine_core.add_request_async(child)
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: it produces no more output and its blocks are freed in the engine."""
+        self.queues.pop(request_id, None)
+        engine_ids = self.output_processor.abort_requests([request_id])
+        if not self.errored:
+            await self.engine_core.abort_requests_async(engine_ids)
+
+    def _start_output_handler(self) -> None:
+        if self.output_handler is None or self.output_handler.done():
+            self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                self.stats.record_scheduler_stats(core_outputs.scheduler_stats)
+                processed = self.output_processor.process_outputs(core_outputs.outputs, self.stats)
+                for output in processed.request_outputs:
+                    queue = self.queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                if processed.reqs_to_abort:
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"The engine's output handler failed: {e!r}")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("The output handler failed")
+            self.dead_error = error
+            for queue in self.queues.values():
+                queue.put_nowait(error)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core is gone."""
+        if self.errored:
+            raise self.dead_error or EngineDeadError()
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        self.check_health()
+        self._start_output_handler()
+        return msgspec.convert(await self.engine_core.call_utility_async("get_scheduler_stats"), SchedulerStats)
+
+    async def reset_prefix_cache(self) -> bool:
+        self.check_health()
+        self._start_output_handler()
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    def get_metrics(self) -> list[Metric]:
+        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.model)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self.engine_core.shutdown()

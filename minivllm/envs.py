@@ -1,0 +1,32 @@
+"""Every environment variable minivllm reads, in one place, with its default."""
+
+from __future__ import annotations
+
+import os
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def enable_multiprocessing() -> bool:
+    """MINIVLLM_ENABLE_MULTIPROCESSING (default 1): run the engine core in its own process.
+    0 runs it in the caller's process (LLM) or in a thread (AsyncLLM), for debugging."""
+    return _bool("MINIVLLM_ENABLE_MULTIPROCESSING", True)
+
+
+def cpu_kvcache_space_gib() -> float:
+    """MINIVLLM_CPU_KVCACHE_SPACE (default 4): KV cache size in GiB on CPU."""
+    return float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "4"))
+
+
+def logging_level() -> str:
+    """MINIVLLM_LOGGING_LEVEL (default INFO)."""
+    return os.environ.get("MINIVLLM_LOGGING_LEVEL", "INFO").upper()
+
+
+def engine_ready_timeout_s() -> float:
+    """MINIVLLM_ENGINE_READY_TIMEOUT_S (default 600): how long to wait for the engine process to
+    load the model and report ready."""
+    return float(os.environ.get("MINIVLLM_ENGINE_READY_TIMEOUT_S", "600"))

@@ -1,0 +1,212 @@
+"""The engine core in its own process: same outputs as in-process, streaming and abort through
+AsyncLLM, prompt EngineDeadError when the process dies, and nothing left behind after close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from reference import build_tiny_model
+
+from minivllm import (
+    LLM,
+    AsyncEngineArgs,
+    AsyncLLM,
+    EngineDeadError,
+    RequestOutputKind,
+    SamplingParams,
+)
+
+PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 17, list(range(300, 400))]
+
+
+@pytest.fixture(scope="module")
+def model(make_tiny_model) -> str:
+    return str(make_tiny_model("llama"))
+
+
+def greedy(n: int = 12, **kw) -> SamplingParams:
+    """Greedy, streaming deltas (what `collect` concatenates)."""
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": n, "ignore_eos": True,
+                             "output_kind": RequestOutputKind.DELTA, **kw})
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes once its parent reaped it.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_multiprocess_outputs_equal_inprocess(model, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    mp = LLM(model, dtype="float32")
+    assert mp.llm_engine.engine_core.resources.engine.poll() is None  # a real child process
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    inproc = LLM(model, dtype="float32")
+    params = greedy(16, logprobs=2)
+    a = mp.generate(PROMPTS, params, use_tqdm=False)
+    b = inproc.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
+    for x, y in zip(a, b, strict=True):
+        for px, py in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert px.keys() == py.keys()
+    assert mp.llm_engine.get_scheduler_stats().num_running_reqs == 0
+    mp.llm_engine.shutdown()
+
+
+@pytest.fixture
+def async_llm(model, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[str, list[int], str]:
+    text, ids, final = "", [], ""
+    async for out in engine.generate(prompt, params, request_id):
+        text += out.outputs[0].text
+        ids += out.outputs[0].token_ids
+        if out.finished:
+            final = out.outputs[0].finish_reason
+    return text, ids, final
+
+
+def test_many_concurrent_streams(model, async_llm, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    reference = LLM(model, dtype="float32")
+    prompts = [[7 + i, 8, 9 + i % 5] + list(range(i * 3)) for i in range(64)]
+    lengths = [3 + (i * 7) % 40 for i in range(64)]
+    expected = reference.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(
+            collect(async_llm, f"req-{i}", p, greedy(n))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ))
+
+    results = asyncio.run(main())
+    for (text, ids, reason), out in zip(results, expected, strict=True):
+        assert ids == out.outputs[0].token_ids and text == out.outputs[0].text and reason == "length"
+
+
+def test_cancelling_streams_aborts_them_in_the_engine(async_llm):
+    async def main():
+        idle = await async_llm.get_scheduler_stats()
+        tasks = [
+            asyncio.create_task(collect(async_llm, f"c{i}", PROMPTS[i % 4], greedy(300 if i % 2 else 20)))
+            for i in range(16)
+        ]
+        await asyncio.sleep(0.3)
+        for task in tasks[1::2]:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(50):  # the aborts travel to the engine process
+            stats = await async_llm.get_scheduler_stats()
+            if stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0:
+                break
+            await asyncio.sleep(0.05)
+        return idle, results, stats
+
+    idle, results, stats = asyncio.run(main())
+    assert all(isinstance(r, asyncio.CancelledError) for r in results[1::2])
+    assert all(len(r[1]) == 20 for r in results[0::2])
+    assert stats.num_running_reqs == idle.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.kv_cache_usage == idle.kv_cache_usage == 0.0
+
+
+def test_abort_by_id(async_llm):
+    async def main():
+        gen = async_llm.generate(PROMPTS[1], greedy(500), "to-abort")
+        first = await gen.__anext__()
+        await async_llm.abort("to-abort")
+        await gen.aclose()
+        return first, await async_llm.get_scheduler_stats()
+
+    first, stats = asyncio.run(main())
+    assert not first.finished and stats.num_running_reqs == 0
+
+
+def test_engine_death_fails_every_caller_fast(async_llm):
+    async def main():
+        tasks = [asyncio.create_task(collect(async_llm, f"k{i}", PROMPTS[i % 4], greedy(800))) for i in range(6)]
+        await asyncio.sleep(0.5)
+        os.kill(async_llm.engine_core.resources.engine.pid, signal.SIGKILL)
+        start = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
+        elapsed = time.monotonic() - start
+        with pytest.raises(EngineDeadError):
+            await collect(async_llm, "late", PROMPTS[0], greedy())
+        return results, elapsed
+
+    results, elapsed = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert elapsed < 5
+    with pytest.raises(EngineDeadError):
+        async_llm.check_health()
+
+
+def test_close_leaves_no_process_or_socket(model, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    llm = LLM(model, dtype="float32")
+    llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)
+    resources = llm.llm_engine.engine_core.resources
+    pid, tmpdir = resources.engine.pid, resources.tmpdir
+    assert os.path.exists(os.path.join(tmpdir, "input"))
+    llm.llm_engine.shutdown()
+    assert not pid_exists(pid) and not os.path.exists(tmpdir)
+
+
+def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, monkeypatch):
+    """The model fails to build inside the engine process: the caller gets its error, at once."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    bad = build_tiny_model(tmp_path / "bad", "llama", tokenizer_dir,
+                           rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512})
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        LLM(str(bad), dtype="float32")
+
+
+def test_in_thread_engine_for_debugging(model, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))
+    try:
+        text, ids, reason = asyncio.run(collect(engine, "t", PROMPTS[0], greedy(6)))
+        assert len(ids) == 6 and reason == "length"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_no_orphan_when_the_front_end_goes(model, how):
+    """Ctrl-C in the user's script shuts the engine down; a killed front end's engine exits too."""
+    script = textwrap.dedent(f"""
+        import time
+        from minivllm import LLM
+        llm = LLM({model!r}, dtype="float32")
+        resources = llm.llm_engine.engine_core.resources
+        print(resources.engine.pid, resources.tmpdir, flush=True)
+        time.sleep(60)
+    """)
+    env = {**os.environ, "MINIVLLM_ENABLE_MULTIPROCESSING": "1"}
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    pid_text, tmpdir = front.stdout.readline().split()
+    engine_pid = int(pid_text)
+    assert pid_exists(engine_pid)
+    front.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
+    front.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while pid_exists(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_exists(engine_pid)
+    assert not os.path.exists(tmpdir)  # no socket file left behind either

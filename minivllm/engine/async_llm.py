@@ -24,15 +24,13 @@ from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core_client import AsyncMPClient
 from minivllm.engine.exceptions import EngineDeadError
-from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.engine.processor import Processor, PromptType
+from minivllm.engine.parallel_sampling import fan_out
+from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.logger import init_logger
 from minivllm.metrics.reader import Metric, get_metrics_snapshot
 from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.transformers_utils import get_tokenizer
 
 logger = init_logger(__name__)
 
@@ -46,14 +44,7 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig) -> None:
         # NOTE: with multiprocessing off (debugging), the engine core runs in a thread instead.
         self.engine_core = AsyncMPClient(vllm_config, use_thread=not envs.enable_multiprocessing())
-        try:
-            self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-            self.processor = Processor(vllm_config.model_config, self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.wait_for_ready()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats()
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -98,16 +89,7 @@ class AsyncLLM:
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        if params.n == 1:
-            children = [(request, None, 0)]
-        else:
-            parent = ParentRequest(request_id, request.sampling_params)
-            children = [
-                (msgspec.structs.replace(request, request_id=parent.child_request_id(i),
-                                         sampling_params=parent.child_params(i)), parent, i)
-                for i in range(params.n)
-            ]
-        for child, parent, index in children:
+        for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)
             await self.engine_core.add_request_async(child)
         return queue

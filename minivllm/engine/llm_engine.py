@@ -15,14 +15,12 @@ from minivllm.config import VllmConfig
 from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core_client import make_sync_client
-from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.engine.processor import Processor, PromptType
+from minivllm.engine.parallel_sampling import fan_out
+from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.metrics.reader import Metric, get_metrics_snapshot
 from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.transformers_utils import get_tokenizer
 
 
 class LLMEngine:
@@ -30,14 +28,7 @@ class LLMEngine:
         # The engine core in its own process (default) or in this one; a process loads the
         # model while this one loads the tokenizer.
         self.engine_core = make_sync_client(vllm_config)
-        try:
-            self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-            self.processor = Processor(vllm_config.model_config, self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.wait_for_ready()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats()
 
@@ -55,15 +46,7 @@ class LLMEngine:
         if request_id in self.output_processor.request_states or request_id in self.output_processor.parent_requests:
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
-        if params.n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index in range(params.n):
-            child = msgspec.structs.replace(
-                request, request_id=parent.child_request_id(index), sampling_params=parent.child_params(index)
-            )
+        for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from minivllm.engine.messages import EngineCoreRequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,3 +50,22 @@ class ParentRequest:
         request_output.outputs = outputs
         request_output.finished = self.finished
         return request_output
+
+
+def fan_out(request: EngineCoreRequest) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+    """The engine-core requests for one user request: itself when n == 1, else n children
+    (with their parent and index)."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, params)
+    return [
+        (
+            msgspec.structs.replace(
+                request, request_id=parent.child_request_id(i), sampling_params=parent.child_params(i)
+            ),
+            parent,
+            i,
+        )
+        for i in range(params.n)
+    ]

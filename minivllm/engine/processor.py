@@ -11,9 +11,11 @@ from typing import Any
 
 import msgspec
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, VllmConfig
 from minivllm.engine.messages import EngineCoreRequest
+from minivllm.engine.output_processor import OutputProcessor
 from minivllm.sampling_params import SamplingParams
+from minivllm.transformers_utils import get_tokenizer
 
 # What LLM.generate and LLMEngine.add_request accept as one prompt.
 PromptType = str | list[int] | dict[str, Any]
@@ -97,3 +99,17 @@ class Processor:
         for token_id in prompt_token_ids:
             if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"Token id {token_id!r} is out of the vocabulary (size {self.vocab_size}).")
+
+
+def start_front_end(vllm_config: VllmConfig, engine_core: Any) -> tuple[Any, Processor, OutputProcessor]:
+    """Load the tokenizer and build the processors while the engine core starts; then wait for
+    it. On any failure the engine core is shut down (no orphan process)."""
+    try:
+        tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        processor = Processor(vllm_config.model_config, tokenizer)
+        output_processor = OutputProcessor(tokenizer)
+        engine_core.wait_for_ready()
+    except BaseException:
+        engine_core.shutdown()
+        raise
+    return tokenizer, processor, output_processor

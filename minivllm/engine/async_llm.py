@@ -64,6 +64,14 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request (cumulative, delta or final, per output_kind)."""
         queue = await self.add_request(request_id, prompt, sampling_params)
+        async for output in self.stream_outputs(request_id, queue):
+            yield output
+
+    async def stream_outputs(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a request added with add_request; closing or cancelling the stream
+        before the request finished aborts it."""
         finished = False
         try:
             while not finished:
@@ -82,6 +90,8 @@ class AsyncLLM:
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams
     ) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Validate and send one request to the engine; a ValueError here means it was rejected
+        and nothing was added. Its outputs arrive in the returned queue (see stream_outputs)."""
         self.check_health()
         self._start_output_handler()
         if request_id in self.queues:

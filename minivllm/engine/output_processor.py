@@ -97,8 +97,8 @@ class OutputProcessor:
                 continue
             if output.new_token_ids:
                 if not state.detokenizer.output_token_ids:
-                    stats.record_first_token(len(state.prompt_token_ids))
                     state.metrics.first_token_time = time.monotonic()
+                    stats.record_first_token(len(state.prompt_token_ids), state.metrics)
                     state.num_cached_tokens = output.num_cached_tokens
                 stats.record_new_tokens(len(output.new_token_ids))
             state.logprobs.update(output.new_logprobs, output.new_prompt_logprobs)
@@ -111,8 +111,8 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self.request_states[output.request_id]
-                stats.record_finished(str(finish_reason))
                 state.metrics.finished_time = time.monotonic()
+                stats.record_finished(str(finish_reason), state.metrics, len(state.detokenizer.output_token_ids))
             request_output = self._make_request_output(state, finish_reason, stop_reason, finished)
             if request_output is None:
                 continue

@@ -1,4 +1,5 @@
-"""The `minivllm` command: `minivllm generate --prompt ...`, `minivllm bench throughput ...`."""
+"""The `minivllm` command: `minivllm serve [MODEL]`, `minivllm generate --prompt ...`,
+`minivllm bench throughput ...`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
+    from minivllm.entrypoints.openai import api_server
+
+    api_server.add_serve_args(serve)
+    serve.set_defaults(func=api_server.run_server)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
     throughput = bench.add_parser("throughput", help="Offline throughput of LLM.generate.")

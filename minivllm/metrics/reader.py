@@ -1,16 +1,19 @@
-"""A snapshot of the engine's metrics under vLLM's names, as `LLM.get_metrics()` returns them."""
+"""A snapshot of the engine's metrics under vLLM's names: what `LLM.get_metrics()` returns and
+what the server's /metrics exports (metrics/prometheus.py), so the two always agree."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from minivllm.metrics.stats import EngineStats
+from minivllm.metrics.stats import Histogram as HistogramStats
 
 
 @dataclass
 class Metric:
     name: str
     labels: dict[str, str] = field(default_factory=dict)
+    help: str = ""
 
 
 @dataclass
@@ -23,25 +26,45 @@ class Gauge(Metric):
     value: float = 0.0
 
 
+@dataclass
+class Histogram(Metric):
+    count: int = 0
+    sum: float = 0.0
+    buckets: dict[str, int] = field(default_factory=dict)  # upper bound -> cumulative count
+
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
 def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
     labels = {"model_name": model_name}
     s = stats.scheduler
+    hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+
+    def histogram(name: str, help_: str, h: HistogramStats) -> Histogram:
+        return Histogram(name, labels, help_, h.count, h.total, dict(h.cumulative()))
+
     metrics: list[Metric] = [
-        Gauge("vllm:num_requests_running", labels, s.num_running_reqs),
-        Gauge("vllm:num_requests_waiting", labels, s.num_waiting_reqs),
-        Gauge("vllm:kv_cache_usage_perc", labels, s.kv_cache_usage),
-        Counter("vllm:num_preemptions", labels, s.num_preemptions),
-        Counter("vllm:prefix_cache_queries", labels, s.prefix_cache_queries),
-        Counter("vllm:prefix_cache_hits", labels, s.prefix_cache_hits),
-        Counter("vllm:prompt_tokens", labels, stats.prompt_tokens),
-        Counter("vllm:generation_tokens", labels, stats.generation_tokens),
-        Counter("minivllm:computed_tokens", labels, s.num_computed_tokens),
+        Gauge("vllm:num_requests_running", labels, "Requests in the running batch.", s.num_running_reqs),
+        Gauge("vllm:num_requests_waiting", labels, "Requests waiting to be scheduled.", s.num_waiting_reqs),
+        Gauge("vllm:kv_cache_usage_perc", labels, "KV cache usage, 1 = full.", s.kv_cache_usage),
+        Gauge("vllm:gpu_prefix_cache_hit_rate", labels, "Prefix cache hits / queries, in tokens.", hit_rate),
+        Counter("vllm:num_preemptions", labels, "Requests preempted.", s.num_preemptions),
+        Counter("vllm:prefix_cache_queries", labels, "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries),
+        Counter("vllm:prefix_cache_hits", labels, "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        Counter("vllm:prompt_tokens", labels, "Prompt tokens of requests that started generating.",
+                stats.prompt_tokens),
+        Counter("vllm:generation_tokens", labels, "Generated tokens.", stats.generation_tokens),
+        Counter("minivllm:computed_tokens", labels, "Tokens run through the model.", s.num_computed_tokens),
+        histogram("vllm:time_to_first_token_seconds", "Time to first token.", stats.time_to_first_token),
+        histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.",
+                  stats.time_per_output_token),
+        histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", stats.e2e_request_latency),
     ]
     metrics += [
-        Counter("vllm:request_success", {**labels, "finished_reason": reason}, stats.finished_requests[reason])
+        Counter("vllm:request_success", {**labels, "finished_reason": reason}, "Finished requests.",
+                stats.finished_requests[reason])
         for reason in FINISH_REASONS
     ]
     return metrics

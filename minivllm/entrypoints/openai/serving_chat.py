@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n samples, streamed as
+chat.completion.chunk deltas or returned whole, with OpenAI's chat-style logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    DeltaMessage,
+    random_id,
+)
+from minivllm.entrypoints.openai.serving import SSE_DONE, OpenAIError, OpenAIServing, sse, usage
+from minivllm.outputs import CompletionOutput, Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        if request.tools and request.tool_choice != "none":
+            raise OpenAIError("Tool calling is not supported.", 400, "tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise OpenAIError("response_format other than text is not supported yet.", 400, "response_format")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
+        text, token_ids = self.render(request.messages, request)
+        max_tokens = self.resolve_max_tokens(
+            len(token_ids), request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        )
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = request.to_sampling_params(max_tokens, logprobs)
+        request_id = random_id("chatcmpl")
+        prompt = {"prompt_token_ids": token_ids, "prompt": text, "cache_salt": request.cache_salt}
+        stream = await self.start(request_id, prompt, params)
+        if request.stream:
+            return self._stream(request, request_id, len(token_ids), stream)
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        choices = [
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatMessage(role="assistant", content=c.text),
+                logprobs=self._logprobs(c, params.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage(len(token_ids), num_generated))
+
+    def render(self, messages: list[dict[str, Any]], request: Any) -> tuple[str, list[int]]:
+        """The conversation as prompt text and token ids, through the chat template."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_plain_message(m) for m in messages],
+                chat_template=getattr(request, "chat_template", None),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=getattr(request, "continue_final_message", False),
+                tokenize=False,
+                **(getattr(request, "chat_template_kwargs", None) or {}),
+            )
+        except OpenAIError:
+            raise
+        except Exception as e:  # a template that rejects the conversation is the caller's problem
+            raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _logprobs(self, completion: CompletionOutput, num: int | None) -> ChatCompletionLogProbs | None:
+        if num is None or completion.logprobs is None:
+            return None
+        return ChatCompletionLogProbs(content=[
+            self._logprob_entry(token_id, position, num)
+            for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True)
+        ])
+
+    def _logprob_entry(self, token_id: int, position: dict[int, Logprob], num: int) -> ChatLogProbsContent:
+        def entry(t: int, lp: Logprob) -> ChatLogProb:
+            token = lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([t])
+            return ChatLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode()))
+
+        chosen = entry(token_id, position[token_id])
+        top = sorted((kv for kv in position.items() if kv[1].rank and kv[1].rank <= num), key=lambda kv: kv[1].rank)
+        return ChatLogProbsContent(**chosen.model_dump(), top_logprobs=[entry(t, lp) for t, lp in top])
+
+    async def _stream(self, request, request_id, prompt_tokens, stream) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices, usage_info=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                    choices=choices, usage=usage_info))
+
+        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(request.n)])
+        num_generated = 0
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        async for output in stream:
+            choices = []
+            for c in output.outputs:
+                num_generated += len(c.token_ids)
+                if not c.text and not c.finished() and not c.token_ids:
+                    continue
+                choices.append(ChatCompletionResponseStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c, logprobs),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))
+            if choices:
+                yield chunk(choices)
+        options = request.stream_options
+        if options is not None and options.include_usage:
+            yield chunk([], usage(prompt_tokens, num_generated))
+        yield SSE_DONE
+
+
+def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI allows content as a list of parts; templates want a string (text parts only)."""
+    if "role" not in message:
+        raise OpenAIError("Each message needs a role.", 400, "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise OpenAIError("Only text content parts are supported.", 400, "messages")
+            texts.append(part.get("text", ""))
+        message = {**message, "content": "".join(texts)}
+    return message

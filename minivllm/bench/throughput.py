@@ -1,43 +1,22 @@
-"""`minivllm bench throughput`: offline throughput of LLM.generate on a synthetic workload, with
-vLLM's flags and JSON keys, optionally beside transformers' batched generate in the same run."""
+"""`minivllm bench throughput`: offline throughput of LLM.generate on a workload, with vLLM's
+flags and JSON keys, optionally beside transformers' batched generate (or another minivllm
+configuration) in the same run."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import os
+import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from minivllm.bench.datasets import SampleRequest, random_requests
+from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset
+from minivllm.bench.utils import plot_bars, write_json
 from minivllm.engine.arg_utils import EngineArgs
 
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset-name", choices=["random"], default="random")
-    parser.add_argument("--input-len", type=int, default=320, help="Mean prompt length in tokens.")
-    parser.add_argument("--output-len", type=int, default=128, help="Mean output length in tokens.")
-    parser.add_argument("--range-ratio", type=float, default=0.0,
-                        help="Lengths are uniform in [len * (1 - r), len * (1 + r)].")
-    parser.add_argument("--min-input-len", type=int, default=None,
-                        help="With --max-input-len: prompt lengths uniform in [min, max] instead.")
-    parser.add_argument("--max-input-len", type=int, default=None)
-    parser.add_argument("--prefix-len", type=int, default=0, help="Random prefix shared by all prompts.")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (vLLM's bench uses 1).")
-    parser.add_argument("--hf-compare", action="store_true",
-                        help="Also run the workload through transformers' batched generate.")
-    parser.add_argument("--hf-max-batch-size", type=int, default=64)
-    parser.add_argument("--compare-prefix-caching", action="store_true",
-                        help="Run the workload with prefix caching off, then on, in the same run.")
-    parser.add_argument("--compare-multiprocessing", action="store_true",
-                        help="Run the workload with the engine core in-process, then in its own process.")
-    parser.add_argument("--output-json", type=str, default=None)
-    EngineArgs.add_cli_args(parser, skip=("seed",))
-    parser.add_argument("--seed", type=int, default=0, help="Dataset and engine seed.")
-
-
-# name -> [(label, engine-arg overrides, environment)] run one after the other in one process.
+# flag -> [(label, engine-arg overrides, environment)], run one after the other in one process.
 COMPARISONS: dict[str, list[tuple[str, dict[str, Any], dict[str, str]]]] = {
     "compare_prefix_caching": [
         ("minivllm[no prefix caching]", {"enable_prefix_caching": False}, {}),
@@ -50,27 +29,53 @@ COMPARISONS: dict[str, list[tuple[str, dict[str, Any], dict[str, str]]]] = {
 }
 
 
-def run_minivllm(
-    args: argparse.Namespace, requests: list[SampleRequest], overrides: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    import os
-    import statistics
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_dataset_args(parser)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (vLLM's bench uses 1).")
+    parser.add_argument("--hf-compare", action="store_true",
+                        help="Also run the workload through transformers' batched generate.")
+    parser.add_argument("--hf-max-batch-size", type=int, default=64)
+    parser.add_argument("--compare-prefix-caching", action="store_true",
+                        help="Run the workload with prefix caching off, then on, in the same run.")
+    parser.add_argument("--compare-multiprocessing", action="store_true",
+                        help="Run the workload with the engine core in-process, then in its own process.")
+    parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument("--plot", type=str, default=None, help="Write a bar chart (PNG) of the throughputs here.")
+    EngineArgs.add_cli_args(parser, skip=("seed",))
+    parser.add_argument("--seed", type=int, default=0, help="Dataset and engine seed.")
 
-    from minivllm import LLM, SamplingParams
 
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    start = time.perf_counter()
+@contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        llm = LLM(**(vars(EngineArgs.from_cli_args(args)) | (overrides or {})))
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    startup = time.perf_counter() - start
+
+
+def make_llm(args: argparse.Namespace, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> tuple[Any, float]:
+    """An LLM from the command line's engine flags, and how long it took to be ready."""
+    from minivllm import LLM
+
+    start = time.perf_counter()
+    with environ(env or {}):
+        llm = LLM(**(vars(EngineArgs.from_cli_args(args)) | (overrides or {})))
+    return llm, time.perf_counter() - start
+
+
+def run_minivllm(
+    args: argparse.Namespace, requests: list[SampleRequest], overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    from minivllm import SamplingParams
+
+    llm, startup = make_llm(args, overrides, env)
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=r.expected_output_len, ignore_eos=True)
         for r in requests
@@ -87,7 +92,7 @@ def run_minivllm(
     model_config = llm.llm_engine.vllm_config.model_config
     # Stop the engine before the next variant starts, so that they never compete for the CPU.
     llm.llm_engine.shutdown()
-    return _figures(requests, num_output, elapsed) | {
+    return figures(requests, num_output, elapsed) | {
         "mean_ttft_ms": statistics.fmean(ttfts_ms),
         "median_ttft_ms": statistics.median(ttfts_ms),
         "num_cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
@@ -99,8 +104,6 @@ def run_minivllm(
 
 def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: str, dtype: str) -> dict[str, Any]:
     """transformers' generate, left-padded batches of up to --hf-max-batch-size, no EOS stop."""
-    import os
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +122,8 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: 
         batch = requests[i : i + args.hf_max_batch_size]
         max_len = max(r.prompt_len for r in batch)
         input_ids = torch.tensor([[pad_id] * (max_len - r.prompt_len) + r.prompt_token_ids for r in batch])
-        attention_mask = (torch.arange(max_len)[None, :] >= torch.tensor([max_len - r.prompt_len for r in batch])[:, None]).long()
+        pads = torch.tensor([max_len - r.prompt_len for r in batch])
+        attention_mask = (torch.arange(max_len)[None, :] >= pads[:, None]).long()
         max_new = max(r.expected_output_len for r in batch)
         sample = args.temperature > 0
         with torch.inference_mode():
@@ -131,10 +135,10 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: 
         # Count the tokens each request asked for; the batch's extra ones are padding work.
         num_output += sum(min(r.expected_output_len, out.shape[1] - max_len) for r in batch)
     elapsed = time.perf_counter() - start
-    return _figures(requests, num_output, elapsed) | {"startup_time": startup}
+    return figures(requests, num_output, elapsed) | {"startup_time": startup}
 
 
-def _figures(requests: list[SampleRequest], num_output: int, elapsed: float) -> dict[str, Any]:
+def figures(requests: list[SampleRequest], num_output: int, elapsed: float) -> dict[str, Any]:
     num_prompt = sum(r.prompt_len for r in requests)
     return {
         "elapsed_time": elapsed,
@@ -148,21 +152,23 @@ def _figures(requests: list[SampleRequest], num_output: int, elapsed: float) -> 
 
 
 def main(args: argparse.Namespace) -> None:
-    from minivllm.transformers_utils import get_config, resolve_model_path
+    from minivllm.transformers_utils import get_config, get_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(args.model)
-    vocab_size = get_config(model_path).vocab_size
-    requests = random_requests(
-        args.num_prompts, args.input_len, args.output_len, vocab_size, args.range_ratio,
-        args.prefix_len, args.seed, _input_len_range(args),
-    )
+    tokenizer = None if args.dataset_name == "random" else get_tokenizer(resolve_model_path(args.tokenizer or args.model))
+    requests = build_dataset(args, tokenizer, get_config(model_path).vocab_size)
     comparison = next((COMPARISONS[name] for name in COMPARISONS if getattr(args, name)), None)
     if comparison is not None:
         results = {label: run_minivllm(args, requests, overrides, env) for label, overrides, env in comparison}
     else:
         results = {"minivllm": run_minivllm(args, requests)}
+    ours = next(reversed(results.values()))
     if args.hf_compare:
-        results["transformers"] = run_hf(args, requests, model_path, next(iter(results.values()))["dtype"])
+        results["transformers"] = run_hf(args, requests, model_path, ours["dtype"])
+    report(args, results, comparison, ours)
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], comparison: Any, ours: dict[str, Any]) -> None:
     for name, r in results.items():
         ttft = f", mean TTFT {r['mean_ttft_ms']:.0f} ms" if "mean_ttft_ms" in r else ""
         print(
@@ -173,39 +179,17 @@ def main(args: argparse.Namespace) -> None:
         )
     if comparison is not None:
         (first, a), (second, b) = ((label, results[label]) for label, _, _ in comparison)
+        cached = f" ({b['num_cached_prompt_tokens']} prompt tokens from the prefix cache)" if args.compare_prefix_caching else ""
         print(
             f"{second} vs {first}: total time {a['elapsed_time'] / b['elapsed_time']:.2f}x faster, "
             f"output throughput {b['output_tokens_per_second'] / a['output_tokens_per_second']:.2f}x, "
-            f"mean TTFT {a['mean_ttft_ms'] / b['mean_ttft_ms']:.2f}x lower"
-            + (f" ({b['num_cached_prompt_tokens']} prompt tokens from the prefix cache)" if args.compare_prefix_caching else "")
+            f"mean TTFT {a['mean_ttft_ms'] / b['mean_ttft_ms']:.2f}x lower{cached}"
         )
-    ours = results[comparison[-1][0]] if comparison is not None else results["minivllm"]
     if "transformers" in results:
         ratio = ours["output_tokens_per_second"] / results["transformers"]["output_tokens_per_second"]
         print(f"minivllm / transformers output throughput: {ratio:.2f}x")
     if args.output_json:
-        payload = {
-            "config": {k: v for k, v in vars(args).items() if k != "func"},
-            "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                            "processor": platform.processor(), "torch": _torch_version()},
-            **ours,
-            "results": results,
-        }
-        with open(args.output_json, "w") as f:
-            json.dump(payload, f, indent=2)
-
-
-def _input_len_range(args: argparse.Namespace) -> tuple[int, int] | None:
-    if (args.min_input_len is None) != (args.max_input_len is None):
-        raise ValueError("--min-input-len and --max-input-len go together.")
-    if args.min_input_len is None:
-        return None
-    if not 1 <= args.min_input_len <= args.max_input_len:
-        raise ValueError("Need 1 <= --min-input-len <= --max-input-len.")
-    return args.min_input_len, args.max_input_len
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
+        write_json(args.output_json, vars(args), {**ours, "results": results})
+    if args.plot:
+        plot_bars(args.plot, "Offline throughput", list(results), [r["output_tokens_per_second"] for r in results.values()],
+                  "output tokens/s")

@@ -12,6 +12,7 @@ EngineDeadError.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -42,11 +43,12 @@ class AsyncEngineArgs(EngineArgs):
 
 class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig) -> None:
+        start = time.perf_counter()
         # NOTE: with multiprocessing off (debugging), the engine core runs in a thread instead.
         self.engine_core = AsyncMPClient(vllm_config, use_thread=not envs.enable_multiprocessing())
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
-        self.stats = EngineStats()
+        self.stats = EngineStats(startup_seconds=time.perf_counter() - start)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: EngineDeadError | None = None

@@ -7,6 +7,7 @@ into RequestOutputs, and aborts in the core what the front end finished (stop st
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -25,12 +26,13 @@ from minivllm.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
+        start = time.perf_counter()
         # The engine core in its own process (default) or in this one; a process loads the
         # model while this one loads the tokenizer.
         self.engine_core = make_sync_client(vllm_config)
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
-        self.stats = EngineStats()
+        self.stats = EngineStats(startup_seconds=time.perf_counter() - start)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

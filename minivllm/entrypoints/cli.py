@@ -1,5 +1,5 @@
 """The `minivllm` command: `minivllm serve [MODEL]`, `minivllm generate --prompt ...`,
-`minivllm bench throughput ...`."""
+`minivllm bench throughput|latency|serve ...`."""
 
 from __future__ import annotations
 
@@ -46,11 +46,18 @@ def make_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=api_server.run_server)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
-    throughput = bench.add_parser("throughput", help="Offline throughput of LLM.generate.")
+    from minivllm.bench import latency as bench_latency
+    from minivllm.bench import serve as bench_serve
     from minivllm.bench import throughput as bench_throughput
 
-    bench_throughput.add_cli_args(throughput)
-    throughput.set_defaults(func=bench_throughput.main)
+    for name, module, help_text in (
+        ("throughput", bench_throughput, "Offline throughput of LLM.generate."),
+        ("latency", bench_latency, "Latency of one batch, run repeatedly."),
+        ("serve", bench_serve, "Load an OpenAI-compatible server and measure what its users see."),
+    ):
+        command = bench.add_parser(name, help=help_text)
+        module.add_cli_args(command)
+        command.set_defaults(func=module.main)
     return parser
 
 

@@ -49,6 +49,7 @@ def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         Gauge("vllm:num_requests_waiting", labels, "Requests waiting to be scheduled.", s.num_waiting_reqs),
         Gauge("vllm:kv_cache_usage_perc", labels, "KV cache usage, 1 = full.", s.kv_cache_usage),
         Gauge("vllm:gpu_prefix_cache_hit_rate", labels, "Prefix cache hits / queries, in tokens.", hit_rate),
+        Gauge("minivllm:engine_startup_seconds", labels, "Engine start-up time to ready.", stats.startup_seconds),
         Counter("vllm:num_preemptions", labels, "Requests preempted.", s.num_preemptions),
         Counter("vllm:prefix_cache_queries", labels, "Prompt tokens looked up in the prefix cache.",
                 s.prefix_cache_queries),

@@ -47,6 +47,7 @@ class Histogram:
 @dataclass
 class EngineStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    startup_seconds: float = 0.0  # engine construction to ready (model loaded, KV cache sized)
     prompt_tokens: int = 0  # prompt lengths of requests that produced their first token
     generation_tokens: int = 0
     finished_requests: Counter[str] = field(default_factory=Counter)  # by finish reason

@@ -39,9 +39,13 @@ def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     slos: dict[str, float] = {}
     for spec in specs or []:
         name, _, value = spec.partition(":")
-        if name not in ("ttft", "tpot", "e2el") or not value:
-            raise ValueError(f"Bad --goodput entry {spec!r}; use ttft:MS, tpot:MS or e2el:MS.")
-        slos[name] = float(value)
+        try:
+            limit = float(value)
+        except ValueError:
+            limit = float("nan")
+        if name not in ("ttft", "tpot", "e2el") or not limit >= 0:  # NOTE: also rejects NaN
+            raise ValueError(f"Bad --goodput entry {spec!r}; use ttft:MS, tpot:MS or e2el:MS (MS >= 0).")
+        slos[name] = limit
     return slos
 
 

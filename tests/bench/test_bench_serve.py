@@ -1,0 +1,238 @@
+"""`minivllm bench serve` against the project's own OpenAI-compatible server, started here on a
+free loopback port with a tiny random Llama; and against a server killed in the middle of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import minivllm.bench.serve as bench_serve
+from minivllm.entrypoints.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except OSError:
+        return 0, ""
+
+
+class Server:
+    def __init__(self, model: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        with open(log, "wb") as f:
+            # Its own session, so that teardown can stop it and its engine-core child together.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+                 "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512", *extra],
+                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while http_get(self.url + "/health")[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        """One sample of /metrics (summed over label sets)."""
+        _, text = http_get(self.url + "/metrics")
+        values = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith(name + "{") or line.startswith(name + " ")]
+        return sum(values)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the session it leads (its engine-core process)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def model(make_tiny_model) -> str:
+    return str(make_tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = Server(model, tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    srv.stop()
+
+
+def bench(server: Server, out: Path, *flags: str) -> dict:
+    main(["bench", "serve", "--port", str(server.port), "--disable-tqdm", "--output-json", str(out), *flags])
+    return json.loads(out.read_text())
+
+
+def check_stats(result: dict) -> None:
+    for name in METRICS:
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            value = result[f"{stat}_{name}_ms"]
+            assert math.isfinite(value) and value >= 0, (stat, name)
+        assert result[f"median_{name}_ms"] == result[f"p50_{name}_ms"]
+        assert result[f"p50_{name}_ms"] <= result[f"p90_{name}_ms"] <= result[f"p99_{name}_ms"], name
+        assert result[f"mean_{name}_ms"] > 0, name
+
+
+def check_per_request(result: dict, n: int) -> None:
+    ttfts, e2els = result["ttfts"], result["e2els"]
+    assert len(ttfts) == len(e2els) == len(result["input_lens"]) == len(result["output_lens"]) == n
+    for ttft, e2el in zip(ttfts, e2els, strict=True):
+        assert 0 < ttft <= e2el
+
+
+def test_serve_completions_at_fixed_rate(server, model, tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    # No --model: the name (and the tokenizer's path) come from the server's /v1/models.
+    result = bench(server, out, "--num-prompts", "20", "--random-input-len", "32", "--random-output-len", "12",
+                   "--request-rate", "20", "--goodput", "ttft:10000", "tpot:10000", "--plot", str(png))
+    for key in ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
+                "max_output_tokens_per_s", "request_goodput", "engine_startup_time", "duration",
+                "total_input_tokens", "total_output_tokens", "ttfts", "e2els", "config", "environment"):
+        assert key in result, key
+    assert result["model"] == model
+    assert result["endpoint"] == "/v1/completions"
+    assert result["request_rate"] == 20 and result["num_prompts"] == 20
+    assert result["completed"] == 20 and result["failed"] == 0, result["errors"]
+    assert result["errors"] == []
+    assert result["total_output_tokens"] == 20 * 12
+    assert result["total_input_tokens"] == 20 * 32
+    assert result["input_lens"] == [32] * 20 and result["output_lens"] == [12] * 20
+    duration = result["duration"]
+    assert result["request_throughput"] == pytest.approx(20 / duration)
+    assert result["output_throughput"] == pytest.approx(20 * 12 / duration)
+    assert result["total_token_throughput"] == pytest.approx(20 * (32 + 12) / duration)
+    # Every request met the generous SLOs.
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    # Peak tokens in a 1 s bucket: at least the average over the buckets the run spans.
+    assert 20 * 12 / (math.floor(duration) + 1) <= result["max_output_tokens_per_s"] <= 20 * 12
+    check_stats(result)
+    check_per_request(result, 20)
+    assert result["engine_startup_time"] == pytest.approx(server.metric("minivllm:engine_startup_seconds"))
+    assert result["engine_startup_time"] > 0
+    assert result["environment"]["cpu"] and result["environment"]["minivllm"]
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_serve_chat_endpoint_multiturn(server, model, tmp_path):
+    prompt_tokens_before = server.metric("vllm:prompt_tokens_total")
+    result = bench(server, tmp_path / "chat.json", "--endpoint", "/v1/chat/completions", "--model", model,
+                   "--dataset-name", "multiturn", "--num-prompts", "4", "--num-turns", "2",
+                   "--random-output-len", "6")
+    assert result["endpoint"] == "/v1/chat/completions"
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 4 * 6
+    check_stats(result)
+    check_per_request(result, 4)
+    # The conversations were sent as messages: the server's rendering of them has exactly the
+    # dataset's prompt lengths (turn 2 longer than turn 1).
+    lens = result["input_lens"]
+    assert lens[1] > lens[0] and lens[3] > lens[2]
+    assert server.metric("vllm:prompt_tokens_total") - prompt_tokens_before == sum(lens)
+
+
+def test_serve_chat_endpoint_random(server, tmp_path):
+    result = bench(server, tmp_path / "chat.json", "--endpoint", "/v1/chat/completions", "--num-prompts", "5",
+                   "--random-input-len", "16", "--random-output-len", "8")
+    assert result["completed"] == 5 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 5 * 8
+    check_per_request(result, 5)
+
+
+def test_serve_max_concurrency(server, tmp_path, monkeypatch):
+    in_flight, peak = 0, 0
+    real_send = bench_serve.send_request
+
+    async def counting_send(*args, **kwargs):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await real_send(*args, **kwargs)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(bench_serve, "send_request", counting_send)
+    result = bench(server, tmp_path / "conc.json", "--num-prompts", "8", "--random-input-len", "16",
+                   "--random-output-len", "8", "--max-concurrency", "2")
+    assert result["max_concurrency"] == 2
+    assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 8 * 8
+    assert peak == 2  # never more than 2 at once, and (infinite rate) 2 reached
+    check_per_request(result, 8)
+
+
+def test_serve_counts_failures_when_server_dies(model, tmp_path):
+    """Kill the server mid-run: the client finishes normally and counts what failed."""
+    srv = Server(model, tmp_path / "dying-server.log")
+    out = tmp_path / "dying.json"
+    client_log = tmp_path / "client.log"
+    try:
+        with open(client_log, "wb") as log:
+            client = subprocess.Popen(
+                [sys.executable, "-m", "minivllm.entrypoints.cli", "bench", "serve", "--port", str(srv.port),
+                 "--num-prompts", "40", "--random-input-len", "32", "--random-output-len", "200",
+                 "--request-rate", "5", "--disable-tqdm", "--output-json", str(out)],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=REPO_ROOT,
+            )
+        # Kill once the run is under way (some tokens generated), well before 40 requests at 5/s are sent.
+        deadline = time.monotonic() + 60
+        while srv.metric("vllm:generation_tokens_total") < 20:
+            assert client.poll() is None, client_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the benchmark never got going"
+            time.sleep(0.1)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=10)
+        try:
+            rc = client.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            client.wait()
+            pytest.fail(f"bench serve hung after the server died:\n{client_log.read_text()[-3000:]}")
+    finally:
+        srv.stop()
+    printed = client_log.read_text()
+    assert rc == 0, printed[-3000:]
+    assert "Traceback" not in printed
+    assert "Failed requests" in printed
+    result = json.loads(out.read_text())
+    assert result["failed"] > 0
+    assert result["completed"] + result["failed"] == 40
+    assert len(result["errors"]) == min(result["failed"], 20)
+    assert all(result["errors"])
+    # Completed requests are whole: 200 tokens each.
+    assert result["total_output_tokens"] == 200 * result["completed"]
+

@@ -99,7 +99,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         check(isinstance(self.top_k, int) and self.top_k >= -1,
               f"top_k must be -1 (disable), 0 (disable), or at least 1, got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+              f"seed must be a 64-bit signed integer, got {self.seed!r}.")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,

@@ -12,7 +12,7 @@ import numpy as np
 
 from minivllm.bench.datasets import random_requests
 from minivllm.bench.throughput import make_llm
-from minivllm.bench.utils import plot_cdfs, write_json
+from minivllm.bench.utils import load_hf_model, plot_cdfs, write_json
 from minivllm.engine.arg_utils import EngineArgs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -25,6 +25,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=3)
     parser.add_argument("--num-iters", type=int, default=10)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--hf-compare", action="store_true",
+                        help="Also run the batch through transformers' generate (greedy) in the same run.")
     parser.add_argument("--output-json", type=str, default=None)
     parser.add_argument("--plot", type=str, default=None, help="Write latency CDFs (PNG) here.")
     EngineArgs.add_cli_args(parser, skip=("seed",))
@@ -63,17 +65,64 @@ def main(args: argparse.Namespace) -> None:
         latencies.append(latency)
         ttfts += t
         tpots += p
+    model_config = llm.llm_engine.vllm_config.model_config
     llm.llm_engine.shutdown()
     result = summarize(latencies, ttfts, tpots) | {"startup_time": startup}
-    print(f"Avg latency: {result['avg_latency']:.4f} s (p50 {result['p50_e2el_ms']:.1f} ms, p90 "
-          f"{result['p90_e2el_ms']:.1f} ms, p99 {result['p99_e2el_ms']:.1f} ms)")
-    print(f"TTFT: mean {result['mean_ttft_ms']:.1f} ms, p99 {result['p99_ttft_ms']:.1f} ms; "
-          f"TPOT: mean {result['mean_tpot_ms']:.2f} ms, p99 {result['p99_tpot_ms']:.2f} ms; startup {startup:.1f} s")
+    report("minivllm", result)
+    if args.hf_compare:
+        hf = run_hf(args, [r.prompt_token_ids for r in batch], model_config.model, model_config.dtype)
+        report("transformers", hf)
+        print(f"transformers / minivllm: TTFT {hf['mean_ttft_ms'] / result['mean_ttft_ms']:.2f}x, "
+              f"TPOT {hf['mean_tpot_ms'] / result['mean_tpot_ms']:.2f}x")
+        result["transformers"] = hf
     if args.output_json:
         write_json(args.output_json, vars(args), result)
     if args.plot:
         plot_cdfs(args.plot, "Latency", {"batch latency": np.array(latencies) * 1000,
                                          "TTFT": np.array(ttfts) * 1000, "TPOT": np.array(tpots) * 1000}, "ms")
+
+
+def report(name: str, result: dict[str, Any]) -> None:
+    print(f"Avg latency ({name}): {result['avg_latency']:.4f} s (p50 {result['p50_e2el_ms']:.1f} ms, p90 "
+          f"{result['p90_e2el_ms']:.1f} ms, p99 {result['p99_e2el_ms']:.1f} ms); TTFT mean "
+          f"{result['mean_ttft_ms']:.1f} ms, p99 {result['p99_ttft_ms']:.1f} ms; TPOT mean "
+          f"{result['mean_tpot_ms']:.2f} ms, p99 {result['p99_tpot_ms']:.2f} ms; startup {result['startup_time']:.1f} s")
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]], model_path: str, dtype: str) -> dict[str, Any]:
+    """The same batch through transformers' greedy generate, timed the same way: a logits
+    processor notes when each step's logits exist, so the first call marks the first token."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    model, startup = load_hf_model(model_path, dtype)
+    input_ids = torch.tensor(prompts)  # equal lengths: no padding
+
+    def run_once() -> tuple[float, float, float]:
+        clock = StepClock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                           max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                           top_p=None, top_k=None, temperature=None, eos_token_id=None, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([clock]))
+        latency = time.perf_counter() - start
+        ttft = clock.times[0] - start
+        return latency, ttft, (latency - ttft) / max(args.output_len - 1, 1)
+
+    for _ in range(args.num_iters_warmup):
+        run_once()
+    runs = [run_once() for _ in range(args.num_iters)]
+    latencies, ttfts, tpots = (list(x) for x in zip(*runs, strict=True))
+    return summarize(latencies, ttfts, tpots if args.output_len > 1 else []) | {"startup_time": startup}
 
 
 def summarize(latencies: list[float], ttfts: list[float], tpots: list[float]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset
-from minivllm.bench.utils import plot_bars, write_json
+from minivllm.bench.utils import load_hf_model, plot_bars, write_json
 from minivllm.engine.arg_utils import EngineArgs
 
 # flag -> [(label, engine-arg overrides, environment)], run one after the other in one process.
@@ -105,16 +105,8 @@ def run_minivllm(
 def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: str, dtype: str) -> dict[str, Any]:
     """transformers' generate, left-padded batches of up to --hf-max-batch-size, no EOS stop."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    start = time.perf_counter()
-    if model_path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=getattr(torch, dtype)
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-    startup = time.perf_counter() - start
+    model, startup = load_hf_model(model_path, dtype)
     pad_id = 0
     num_output = 0
     start = time.perf_counter()

@@ -41,6 +41,23 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def load_hf_model(model_path: str, dtype: str) -> tuple[Any, float]:
+    """The same model through transformers (from an HF directory or a .gguf file), and its load time."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=getattr(torch, dtype)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    return model, time.perf_counter() - start
+
+
 def write_json(path: str, config: dict[str, Any], results: dict[str, Any]) -> None:
     payload = {"config": {k: v for k, v in config.items() if not callable(v)}, "environment": environment(), **results}
     with open(path, "w") as f:

@@ -101,9 +101,15 @@ class AsyncLLM:
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        for child, parent, index in fan_out(request):
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            await self.engine_core.add_request_async(child)
+        try:
+            for child, parent, index in fan_out(request):
+                self.output_processor.add_request(child, prompt_text, parent, index)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            # Cancelled (the client left) part-way through a large n: the samples already sent
+            # must not go on generating for nobody.
+            await self.abort(request_id)
+            raise
         return queue
 
     async def abort(self, request_id: str) -> None:

@@ -100,6 +100,7 @@ class EngineCoreProc(EngineCore):
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes | None] = queue.Queue()
         self._shutdown_requested = False
+        self._stats_stale = False  # an abort changed the stats since the last output
         self.orphaned = False  # the front end died without shutting us down
         self._ctx = zmq.Context()
         self._input_thread = threading.Thread(
@@ -146,7 +147,10 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self, parent_pid: int | None) -> None:
         while not self._shutdown_requested:
             self._process_input_queue(parent_pid)
-            if self.scheduler.has_unfinished_requests():
+            # An abort that leaves the engine idle still owes the front end fresh stats (running
+            # count, KV usage); step() with nothing to run sends exactly that.
+            if self.scheduler.has_unfinished_requests() or self._stats_stale:
+                self._stats_stale = False
                 self.output_queue.put(self.step())
 
     def _process_input_queue(self, parent_pid: int | None) -> None:
@@ -167,6 +171,7 @@ class EngineCoreProc(EngineCore):
             self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
+            self._stats_stale = True
         else:
             self.output_queue.put(EngineCoreOutputs(utility_result=self._call_utility(payload)))
 

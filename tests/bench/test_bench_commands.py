@@ -208,9 +208,30 @@ def test_latency(model, tmp_path, capsys):
           "--plot", str(png)])
     assert "Avg latency" in capsys.readouterr().out
     result = json.loads(out.read_text())
+    check_latency(result, 3)
+    assert result["config"]["batch_size"] == 3
+    assert_environment(result)
+    assert_png(png)
+
+
+def test_latency_hf_compare(model, tmp_path, capsys):
+    """transformers' run of the same batch is timed the same way and reported beside ours."""
+    out = tmp_path / "latency.json"
+    main(["bench", "latency", "--model", model, "--dtype", "float32", "--batch-size", "2", "--input-len", "16",
+          "--output-len", "6", "--num-iters", "2", "--num-iters-warmup", "1", "--hf-compare",
+          "--output-json", str(out)])
+    printed = capsys.readouterr().out
+    assert "Avg latency (minivllm)" in printed and "Avg latency (transformers)" in printed
+    result = json.loads(out.read_text())
+    check_latency(result, 2)
+    check_latency(result["transformers"], 2)
+
+
+def check_latency(result: dict, num_iters: int) -> None:
+    """vLLM's latency keys, percentiles ordered, TTFT and TPOT consistent with the batch latency."""
     latencies = result["latencies"]
-    assert len(latencies) == 3 and all(x > 0 for x in latencies)
-    assert result["avg_latency"] == pytest.approx(sum(latencies) / 3)
+    assert len(latencies) == num_iters and all(x > 0 for x in latencies)
+    assert result["avg_latency"] == pytest.approx(sum(latencies) / num_iters)
     percentiles = result["percentiles"]
     assert list(percentiles) == ["10", "25", "50", "75", "90", "99"]
     values = list(percentiles.values())
@@ -227,6 +248,3 @@ def test_latency(model, tmp_path, capsys):
     # 5 decode steps after the first token cannot take longer than the whole batch.
     assert result["p99_tpot_ms"] * 5 <= 1000 * max(latencies)
     assert result["startup_time"] > 0
-    assert result["config"]["batch_size"] == 3
-    assert_environment(result)
-    assert_png(png)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -211,6 +212,10 @@ def run_server(args: argparse.Namespace) -> None:
         _AppFactory(vllm_config, names, args.api_key, url), factory=True, host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
     ))
+    # uvicorn re-raises SIGTERM/SIGINT once its graceful shutdown is done; by then every in-flight
+    # request has finished and the engine is shut down, so that is a clean exit (status 0).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
 
 

@@ -56,12 +56,13 @@ class OpenAIServing:
         queue = await self.engine.add_request(request_id, prompt, params)
         return self.engine.stream_outputs(request_id, queue)
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """OpenAI's rule: the prompt plus max_tokens must fit the context; unset means all of it."""
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, prompt_field: str) -> int:
+        """OpenAI's rule: the prompt plus max_tokens must fit the context; unset means all of it.
+        `prompt_field` ("prompt" or "messages") is the param an over-long prompt is blamed on."""
         if prompt_len >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {prompt_len} tokens, leaving no room to generate.", 400, "messages"
+                f"prompt has {prompt_len} tokens, leaving no room to generate.", 400, prompt_field
             )
         if requested is None:
             return self.max_model_len - prompt_len

@@ -35,7 +35,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
         text, token_ids = self.render(request.messages, request)
         max_tokens = self.resolve_max_tokens(
-            len(token_ids), request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+            len(token_ids), request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
+            "messages",
         )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.to_sampling_params(max_tokens, logprobs)

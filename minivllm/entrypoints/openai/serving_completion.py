@@ -37,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
-                max_tokens = self.resolve_max_tokens(len(token_ids), request.max_tokens)
+                max_tokens = self.resolve_max_tokens(len(token_ids), request.max_tokens, "prompt")
                 params = request.to_sampling_params(max_tokens, request.logprobs)
                 if request.echo and request.logprobs is not None:
                     params.prompt_logprobs = request.logprobs

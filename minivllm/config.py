@@ -29,6 +29,12 @@ class ModelConfig:
     enforce_eager: bool = False
     max_logprobs: int = 20
     """Most logprobs (and prompt logprobs) a request may ask for."""
+    served_model_name: str | None = None
+    """The name the server answers to; metrics carry it as their model_name label."""
+
+    @property
+    def metrics_model_name(self) -> str:
+        return self.served_model_name or self.model
 
     @property
     def is_gguf(self) -> bool:

@@ -161,7 +161,7 @@ class AsyncLLM:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
     def get_metrics(self) -> list[Metric]:
-        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.model)
+        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.metrics_model_name)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

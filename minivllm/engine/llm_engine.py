@@ -72,7 +72,7 @@ class LLMEngine:
         return processed.request_outputs
 
     def get_metrics(self) -> list[Metric]:
-        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.model)
+        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.metrics_model_name)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False if requests are still using blocks."""

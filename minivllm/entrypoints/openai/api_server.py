@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -207,6 +208,9 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     names = served_names(args)
+    vllm_config = dataclasses.replace(
+        vllm_config, model_config=dataclasses.replace(vllm_config.model_config, served_model_name=names[0])
+    )
     url = f"http://{args.host or '0.0.0.0'}:{args.port}"
     server = uvicorn.Server(uvicorn.Config(
         _AppFactory(vllm_config, names, args.api_key, url), factory=True, host=args.host, port=args.port,

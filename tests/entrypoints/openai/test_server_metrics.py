@@ -54,10 +54,10 @@ def test_metrics_parse_with_prometheus_client(server):
         assert families[name].samples, name
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert {"stop", "length"} <= reasons
-    # Every sample is labelled with the model.
+    # Every sample is labelled with the served model name, as vLLM does.
     for family in families.values():
         for sample in family.samples:
-            assert "model_name" in sample.labels, sample
+            assert sample.labels.get("model_name") == MODEL_NAME, sample
 
 
 def _check_histogram(metrics: dict[str, float], name: str) -> None:

@@ -29,6 +29,8 @@ class ModelConfig:
     enforce_eager: bool = False
     max_logprobs: int = 20
     """Most logprobs (and prompt logprobs) a request may ask for."""
+    gguf_int4_decode: bool = True
+    """Keep GGUF Q4_1 weights as int4 codes too, for small steps (see model/layers/quant.py)."""
     served_model_name: str | None = None
     """The name the server answers to; metrics carry it as their model_name label."""
 

@@ -5,8 +5,10 @@ KV cache layout, per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] 
 Gathering a request's blocks along dim 2 then yields, for each KV head, its keys as one
 contiguous [seq_len, head_dim] matrix, which matmul consumes without another copy.
 
-Decode requests (one query token) are batched into two matmuls over K/V gathered through their
-block tables, padded to the longest sequence and masked. Prefill requests run one SDPA call
+Decode requests (one query token) are sorted by length and cut into groups; each group is two
+matmuls over K/V gathered through its block tables, padded to the group's longest sequence and
+masked. Groups bound the padding and keep each gathered K/V small enough to stay in the CPU's
+caches between the gather and the matmuls. Prefill requests run one SDPA call
 each: a fresh prompt attends to its own new K/V with a causal mask; a later chunk gathers its
 earlier K/V from the cache and uses a bottom-right causal mask.
 """
@@ -34,12 +36,22 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    token_indices: torch.Tensor  # [num_reqs] rows of the flat batch
+    block_ids: torch.Tensor  # [num_reqs * max_blocks], flattened block tables
+    mask: torch.Tensor  # [1, num_reqs, 1, max_blocks * block_size], True = padding
+
+
+@dataclass
 class TorchRefMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
-    decode_token_indices: torch.Tensor | None  # [num_decodes]
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks], flattened block tables
-    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size], True = padding
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+
+
+# Padded tokens per decode group: measured on a 2-core CPU with SmolLM2 (64 requests of 128-640
+# tokens), groups of about this size ran the decode attention 1.7x faster than one padded batch.
+DECODE_GROUP_TOKENS = 4096
 
 
 class TorchRefAttentionBackend(AttentionBackend):
@@ -53,15 +65,16 @@ class TorchRefAttentionBackend(AttentionBackend):
         bs = common.block_size
         query_lens = common.query_lens
         is_decode = query_lens == 1
-        decode_token_indices = decode_block_ids = decode_mask = None
-        if is_decode.any():
-            rows = np.flatnonzero(is_decode)
+        decodes = []
+        for rows in _decode_groups(np.flatnonzero(is_decode), common.seq_lens):
             seq_lens = common.seq_lens[rows]
-            num_blocks = -(-int(seq_lens.max()) // bs)
-            decode_token_indices = _to_device(common.query_start_loc[rows], device)
-            decode_block_ids = _to_device(common.block_table[rows, :num_blocks].reshape(-1), device)
+            num_blocks = -(-int(seq_lens[-1]) // bs)
             padding = np.arange(num_blocks * bs)[None, :] >= seq_lens[:, None]
-            decode_mask = torch.from_numpy(padding).to(device)[None, :, None, :]
+            decodes.append(DecodeGroup(
+                _to_device(common.query_start_loc[rows], device),
+                _to_device(common.block_table[rows, :num_blocks].reshape(-1), device),
+                torch.from_numpy(padding).to(device)[None, :, None, :],
+            ))
         prefills = []
         for row in np.flatnonzero(~is_decode & (query_lens > 0)):
             start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
@@ -74,9 +87,7 @@ class TorchRefAttentionBackend(AttentionBackend):
                 span.attn_mask = k_pos[None, :] <= q_pos[:, None]
                 span.block_ids = _to_device(common.block_table[row, : -(-seq_len // bs)], device)
             prefills.append(span)
-        return TorchRefMetadata(
-            common.slot_mapping, decode_token_indices, decode_block_ids, decode_mask, prefills
-        )
+        return TorchRefMetadata(common.slot_mapping, decodes, prefills)
 
     def forward(
         self,
@@ -97,9 +108,9 @@ class TorchRefAttentionBackend(AttentionBackend):
         value_blocks = kv_cache[1].view(num_kv_heads, num_blocks, block_size * head_dim)
 
         output = torch.empty_like(query)
-        if attn_metadata.decode_token_indices is not None:
-            idx = attn_metadata.decode_token_indices
-            output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, attn_metadata, scale)
+        for group in attn_metadata.decodes:
+            idx = group.token_indices
+            output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, group, scale)
         for span in attn_metadata.prefills:
             # NOTE: 4-D inputs (a batch of one) let CPU SDPA take its flash kernel with GQA;
             # 3-D inputs fall back to the math path, 2-3x slower.
@@ -120,6 +131,20 @@ class TorchRefAttentionBackend(AttentionBackend):
         return output
 
 
+def _decode_groups(rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
+    """Decode rows by increasing length, cut so that each group's padded size (rows times its
+    longest sequence) stays within DECODE_GROUP_TOKENS (a single row may exceed it)."""
+    if len(rows) == 0:
+        return []
+    rows = rows[np.argsort(seq_lens[rows], kind="stable")]
+    groups, start = [], 0
+    for end in range(1, len(rows) + 1):
+        if end == len(rows) or (end + 1 - start) * int(seq_lens[rows[end]]) > DECODE_GROUP_TOKENS:
+            groups.append(rows[start:end])
+            start = end
+    return groups
+
+
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int64)).to(device)
 
@@ -128,7 +153,7 @@ def _paged_decode_attention(
     query: torch.Tensor,  # [B, heads, head_dim]
     key_blocks: torch.Tensor,  # [kv_heads, num_blocks, block_size * head_dim]
     value_blocks: torch.Tensor,
-    meta: TorchRefMetadata,
+    group: DecodeGroup,
     scale: float,
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """One query token per request against its K/V, gathered block-wise and padded.
@@ -139,13 +164,13 @@ def _paged_decode_attention(
     """
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = key_blocks.shape[0]
-    group = num_heads // num_kv_heads
+    heads_per_kv = num_heads // num_kv_heads
     # [kv_heads, B, L, head_dim], contiguous per (head, request)
-    k = key_blocks.index_select(1, meta.decode_block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
-    v = value_blocks.index_select(1, meta.decode_block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
-    q = query.view(num_reqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
+    k = key_blocks.index_select(1, group.block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
+    v = value_blocks.index_select(1, group.block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
+    q = query.view(num_reqs, num_kv_heads, heads_per_kv, head_dim).transpose(0, 1)  # [kv_heads, B, group, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, L]
-    scores.masked_fill_(meta.decode_mask, float("-inf"))
+    scores.masked_fill_(group.mask, float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [kv_heads, B, group, head_dim]
     return out.transpose(0, 1).reshape(num_reqs, num_heads, head_dim)

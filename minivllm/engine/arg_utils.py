@@ -69,6 +69,9 @@ class EngineArgs:
     """Split long prompts across steps so decodes keep flowing."""
     max_logprobs: int = 20
     """Most logprobs (and prompt logprobs) a request may ask for."""
+    gguf_int4_decode: bool = True
+    """On CPU in bfloat16: run a GGUF model's Q4_1 layers with the int4 kernel for steps of up to 8
+    tokens (single-stream decode 1.5-2x faster); larger steps use the dequantized weights."""
 
     def create_engine_config(self) -> VllmConfig:
         model_path = resolve_model_path(self.model)
@@ -86,6 +89,7 @@ class EngineArgs:
             seed=self.seed,
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
+            gguf_int4_decode=self.gguf_int4_decode,
         )
         space = self.cpu_kvcache_space_gib
         if space is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from minivllm.model.layers.quant import Q4_1Weight
 
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ARCHITECTURES = {
@@ -217,12 +219,9 @@ def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) pairs shaped as in the model's HF safetensors checkpoint.
-
-    One tensor is dequantized at a time from the memory map, so peak memory stays at the model's
-    float32 size plus one tensor, instead of holding a dequantized copy of the whole file.
-    """
+def _hf_tensors(path: str) -> Iterator[tuple[str, Any, Callable[[torch.Tensor], torch.Tensor]]]:
+    """(HF name, GGUF tensor, fix) for each model tensor; `fix` undoes llama.cpp's Q/K row order
+    on anything laid out by output row (weights, biases, per-row quantization data)."""
     reader = _open(path)
     arch = _architecture(reader)
     heads = _get(reader, f"{arch}.attention.head_count")
@@ -231,15 +230,43 @@ def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = _hf_name(tensor.name)
         if name is None:
             continue
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            yield name, tensor, lambda t: _unpermute(t, heads)
+        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            yield name, tensor, lambda t: _unpermute(t, kv_heads)
+        else:
+            yield name, tensor, lambda t: t
+
+
+def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) pairs shaped as in the model's HF safetensors checkpoint.
+
+    One tensor is dequantized at a time from the memory map, so peak memory stays at the model's
+    float32 size plus one tensor, instead of holding a dequantized copy of the whole file.
+    """
+    for name, tensor, fix in _hf_tensors(path):
         array = dequantize(tensor.data, tensor.tensor_type)
         if not array.flags.writeable:  # F32 comes back as a view of the read-only file mapping
             array = array.copy()
-        weight = torch.from_numpy(array).reshape(tuple(reversed(tensor.shape.tolist())))
-        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            weight = _unpermute(weight, heads)
-        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            weight = _unpermute(weight, kv_heads)
-        yield name, weight
+        yield name, fix(torch.from_numpy(array).reshape(tuple(reversed(tensor.shape.tolist()))))
+
+
+
+
+def iterate_gguf_q4_1(path: str) -> Iterator[tuple[str, Q4_1Weight]]:
+    """(HF name, raw quantization) for every Q4_1 weight, rows in HF order. A Q4_1 block is 20
+    bytes: float16 scale, float16 min, then 16 bytes whose low nibbles are values 0-15 and high
+    nibbles values 16-31."""
+    for name, tensor, fix in _hf_tensors(path):
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        raw = np.asarray(tensor.data)
+        blocks = raw.reshape(raw.shape[0], -1, 20)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., 4:]
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1).astype(np.int32)
+        yield name, Q4_1Weight(fix(torch.from_numpy(q)), fix(torch.from_numpy(scale)), fix(torch.from_numpy(minimum)))
 
 
 @lru_cache(maxsize=1)

@@ -18,6 +18,7 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.config import ModelConfig
 from minivllm.logger import init_logger
+from minivllm.model.layers.quant import int4_kernel_available
 from minivllm.model.registry import get_model_class
 
 logger = init_logger(__name__)
@@ -65,4 +66,9 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights: {sorted(missing)[:8]}...")
+    if model_config.is_gguf and model_config.gguf_int4_decode and device.type == "cpu" \
+            and dtype == torch.bfloat16 and int4_kernel_available():
+        from minivllm.model.gguf_loader import iterate_gguf_q4_1
+
+        model.load_weights(iterate_gguf_q4_1(model_config.model))
     return model.eval()

@@ -13,6 +13,7 @@ import torch
 
 from minivllm.core.kv_cache_manager import cdiv
 from minivllm.logger import init_logger
+from minivllm.worker.cpu_env import configure_allocator
 from minivllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class Worker:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.device = torch.device(vllm_config.device_config.device)
+        if self.device.type == "cpu":
+            configure_allocator()
         torch.manual_seed(vllm_config.model_config.seed)
         self.model_runner = ModelRunner(vllm_config, self.device)
 

@@ -3,7 +3,8 @@
 Weights are kept in the [out_features, in_features] layout and applied with F.linear: that is the
 fast layout for bf16 on CPU even for one-row (decode) inputs. Projections that read the same input
 are fused into one matrix (q/k/v, gate/up); each fused parameter carries a `weight_loader` that
-copies a checkpoint shard ("q", "k", "v", or an index) into its rows.
+copies a checkpoint shard ("q", "k", "v", or an index) into its rows. A layer loaded from GGUF
+Q4_1 also keeps the int4 codes and uses them for inputs of few rows (see quant.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -33,11 +36,24 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.int4: Int4Weight | None = None
+        self._q4_1_shards: dict[object, Q4_1Weight] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def load_q4_1(self, weight: Q4_1Weight, shard_id: object = None) -> None:
+        """Keep one Q4_1 shard; once every shard of the matrix is in, pack them for the int4 kernel."""
+        self._q4_1_shards[shard_id] = weight
+        order = list(getattr(self, "shard_offsets", None) or [None]) if shard_id is not None else [None]
+        if all(s in self._q4_1_shards for s in order):
+            self.int4 = Int4Weight.from_q4_1([self._q4_1_shards[s] for s in order])
+            self._q4_1_shards = {}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            out = self.int4.matmul(x)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
 

@@ -19,6 +19,7 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from minivllm.model.layers.quant import Q4_1Weight
 from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -165,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
             loader = getattr(param, "weight_loader", None)
-            if loader is not None:
+            if isinstance(tensor, Q4_1Weight):  # int4 codes kept beside the dequantized weight
+                self.get_submodule(name.rsplit(".", 1)[0]).load_q4_1(tensor, shard_id)
+            elif loader is not None:
                 loader(param, tensor, shard_id)
             else:
                 default_weight_loader(param, tensor)

@@ -17,11 +17,13 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise x; with `residual`, first add it and also return the sum (the new residual)."""
         if residual is not None:
-            x = x + residual
+            # x is the previous sublayer's fresh output, so the sum can take its place.
+            x = x.add_(residual)
             residual = x
         # NOTE: computed in float32 and cast back before the weight, as HF does, so that bf16
-        # results match the reference rounding.
+        # results match the reference rounding. In-place ops on the new tensors: on CPU a
+        # broadcast multiply into a fresh bf16 tensor costs about twice as much.
         x_fp32 = x.float()
         variance = x_fp32.pow(2).mean(-1, keepdim=True)
-        out = self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        out = (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype).mul_(self.weight)
         return out if residual is None else (out, residual)

@@ -56,19 +56,22 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim // 2] each; persistent=False keeps them out of state_dict.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [max_position, head_dim]: cos twice, and sin with rotate-half's sign folded in, so that
+        # rotating is x * cos + swap_halves(x) * sin (the same roundings as HF's
+        # x * cos + rotate_half(x) * sin). persistent=False keeps them out of state_dict.
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, heads, head_dim], key [T, kv_heads, head_dim] -> rotated copies."""
-        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)  # [T, 1, head_dim // 2]
+        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)  # [T, 1, head_dim]
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((x2, x1), dim=-1).mul_(signed_sin).add_(x * cos)

@@ -33,7 +33,9 @@ STACKED_PARAMS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -42,9 +44,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, get_rope_parameters(config)
-        )
+        self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
@@ -76,13 +76,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, backend, rotary_emb, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -109,8 +111,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        # One rotary table for all layers (4 MiB per copy at 8k positions).
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, rotary_emb, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -37,7 +37,7 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    token_indices: torch.Tensor  # [num_reqs] rows of the flat batch
+    token_indices: torch.Tensor | None  # [num_reqs] rows of the flat batch; None: all, in order
     block_ids: torch.Tensor  # [num_reqs * max_blocks], flattened block tables
     mask: torch.Tensor  # [1, num_reqs, 1, max_blocks * block_size], True = padding
 
@@ -65,13 +65,18 @@ class TorchRefAttentionBackend(AttentionBackend):
         bs = common.block_size
         query_lens = common.query_lens
         is_decode = query_lens == 1
+        num_tokens = int(common.query_start_loc[-1])
         decodes = []
         for rows in _decode_groups(np.flatnonzero(is_decode), common.seq_lens):
             seq_lens = common.seq_lens[rows]
             num_blocks = -(-int(seq_lens[-1]) // bs)
             padding = np.arange(num_blocks * bs)[None, :] >= seq_lens[:, None]
+            token_indices = common.query_start_loc[rows]
+            # A step of decodes only, in one group already in order (one stream, or requests of
+            # similar lengths): the group's output is the layer's output, with no gather/scatter.
+            everything = len(rows) == num_tokens and bool((token_indices == np.arange(num_tokens)).all())
             decodes.append(DecodeGroup(
-                _to_device(common.query_start_loc[rows], device),
+                None if everything else _to_device(token_indices, device),
                 _to_device(common.block_table[rows, :num_blocks].reshape(-1), device),
                 torch.from_numpy(padding).to(device)[None, :, None, :],
             ))
@@ -107,8 +112,11 @@ class TorchRefAttentionBackend(AttentionBackend):
         key_blocks = kv_cache[0].view(num_kv_heads, num_blocks, block_size * head_dim)
         value_blocks = kv_cache[1].view(num_kv_heads, num_blocks, block_size * head_dim)
 
+        decodes = attn_metadata.decodes
+        if len(decodes) == 1 and decodes[0].token_indices is None:
+            return _paged_decode_attention(query, key_blocks, value_blocks, decodes[0], scale)
         output = torch.empty_like(query)
-        for group in attn_metadata.decodes:
+        for group in decodes:
             idx = group.token_indices
             output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, group, scale)
         for span in attn_metadata.prefills:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,7 +24,6 @@ class RMSNorm(nn.Module):
         # NOTE: computed in float32 and cast back before the weight, as HF does, so that bf16
         # results match the reference rounding. In-place ops on the new tensors: on CPU a
         # broadcast multiply into a fresh bf16 tensor costs about twice as much.
-        x_fp32 = x.float()
-        variance = x_fp32.pow(2).mean(-1, keepdim=True)
-        out = (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype).mul_(self.weight)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)  # x * rsqrt(mean(x^2) + eps)
+        out = normed.to(x.dtype).mul_(self.weight)
         return out if residual is None else (out, residual)

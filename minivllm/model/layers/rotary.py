@@ -63,12 +63,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's [T, 1, head_dim] cos and signed sin, looked up once and used by every layer."""
+        return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
+
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, heads, head_dim], key [T, kv_heads, head_dim] -> rotated copies."""
-        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
+        cos, sin = cos_sin
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

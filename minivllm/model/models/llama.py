@@ -49,7 +49,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -58,7 +60,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(cos_sin, q, k)
         out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v, attn_metadata)
         return self.o_proj(out)
 
@@ -91,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         attn_metadata: Any,
@@ -101,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states = self.self_attn(cos_sin, hidden_states, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -114,17 +116,19 @@ class LlamaModel(nn.Module):
         # One rotary table for all layers (4 MiB per copy at 8k positions).
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, rotary_emb, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, self.rotary_emb, qkv_bias, qk_norm)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

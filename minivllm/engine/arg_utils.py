@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -193,11 +194,14 @@ def _arg_type(hint: Any) -> type:
 
 
 def _field_docstrings(cls: type) -> dict[str, str]:
-    """The string literal under each field, as vLLM's config classes document their fields."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """The string literal under each field, as vLLM's config classes document their fields
+    (read from every dataclass in the MRO: AsyncEngineArgs inherits EngineArgs' fields)."""
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs

@@ -27,12 +27,18 @@ def test_generate_reports_bad_arguments(make_tiny_model):
         main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", "--max-model-len", "99999"])
 
 
-def test_generate_help_documents_engine_args(capsys):
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_help_documents_engine_args(capsys, command):
+    """Every engine flag carries its field's description (serve's come from AsyncEngineArgs,
+    which inherits them)."""
     with pytest.raises(SystemExit):
-        main(["generate", "--help"])
+        main([command, "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--max-num-batched-tokens" in help_text and "Token budget of one engine step" in help_text
+    assert "Reuse the KV cache blocks of prompt prefixes" in help_text
     assert "--enforce-eager" in help_text
+    if command == "serve":
+        assert "--api-key" in help_text and "--shutdown-timeout" in help_text
 
 
 def test_bench_throughput_json(make_tiny_model, tmp_path):

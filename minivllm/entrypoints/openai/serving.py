@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.protocol import UsageInfo
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
@@ -74,6 +74,12 @@ class OpenAIServing:
                 400, "max_tokens",
             )
         return requested
+
+
+def top_logprobs(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The `num` most likely tokens at a position, by rank (the position may also hold the
+    sampled token with a rank beyond `num`)."""
+    return sorted((kv for kv in position.items() if kv[1].rank and kv[1].rank <= num), key=lambda kv: kv[1].rank)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

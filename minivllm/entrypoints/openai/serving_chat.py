@@ -20,7 +20,14 @@ from minivllm.entrypoints.openai.protocol import (
     DeltaMessage,
     random_id,
 )
-from minivllm.entrypoints.openai.serving import SSE_DONE, OpenAIError, OpenAIServing, sse, usage
+from minivllm.entrypoints.openai.serving import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    sse,
+    top_logprobs,
+    usage,
+)
 from minivllm.outputs import CompletionOutput, Logprob
 
 
@@ -44,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = {"prompt_token_ids": token_ids, "prompt": text, "cache_salt": request.cache_salt}
         stream = await self.start(request_id, prompt, params)
         if request.stream:
-            return self._stream(request, request_id, len(token_ids), stream)
+            return self._stream(request, request_id, len(token_ids), params.logprobs, stream)
         final = None
         async for output in stream:
             final = output
@@ -94,10 +101,11 @@ class OpenAIServingChat(OpenAIServing):
             return ChatLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode()))
 
         chosen = entry(token_id, position[token_id])
-        top = sorted((kv for kv in position.items() if kv[1].rank and kv[1].rank <= num), key=lambda kv: kv[1].rank)
-        return ChatLogProbsContent(**chosen.model_dump(), top_logprobs=[entry(t, lp) for t, lp in top])
+        return ChatLogProbsContent(
+            **chosen.model_dump(), top_logprobs=[entry(t, lp) for t, lp in top_logprobs(position, num)]
+        )
 
-    async def _stream(self, request, request_id, prompt_tokens, stream) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, prompt_tokens, logprobs, stream) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage_info=None) -> str:
@@ -107,7 +115,6 @@ class OpenAIServingChat(OpenAIServing):
         yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(request.n)])
         num_generated = 0
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
         async for output in stream:
             choices = []
             for c in output.outputs:

@@ -20,6 +20,7 @@ from minivllm.entrypoints.openai.serving import (
     OpenAIServing,
     merge_streams,
     sse,
+    top_logprobs,
     usage,
 )
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -118,9 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(position[token_id].logprob)
-            top = sorted(position.items(), key=lambda kv: kv[1].rank or 0)
             result.top_logprobs.append(
-                {(lp.decoded_token or self.tokenizer.decode([t])): lp.logprob for t, lp in top if lp.rank and lp.rank <= num}
+                {(lp.decoded_token or self.tokenizer.decode([t])): lp.logprob for t, lp in top_logprobs(position, num)}
             )
         return result
 

@@ -45,7 +45,7 @@ class Linear(nn.Module):
     def load_q4_1(self, weight: Q4_1Weight, shard_id: object = None) -> None:
         """Keep one Q4_1 shard; once every shard of the matrix is in, pack them for the int4 kernel."""
         self._q4_1_shards[shard_id] = weight
-        order = list(getattr(self, "shard_offsets", None) or [None]) if shard_id is not None else [None]
+        order = [None] if shard_id is None else list(self.shard_offsets)  # shards: MergedLinear only
         if all(s in self._q4_1_shards for s in order):
             self.int4 = Int4Weight.from_q4_1([self._q4_1_shards[s] for s in order])
             self._q4_1_shards = {}

@@ -42,6 +42,10 @@ class ModelConfig:
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
 
+    def get_head_size(self) -> int:
+        hf = self.hf_config
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
     @property
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []

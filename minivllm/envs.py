@@ -30,3 +30,14 @@ def engine_ready_timeout_s() -> float:
     """MINIVLLM_ENGINE_READY_TIMEOUT_S (default 600): how long to wait for the engine process to
     load the model and report ready."""
     return float(os.environ.get("MINIVLLM_ENGINE_READY_TIMEOUT_S", "600"))
+
+
+def cache_root() -> str:
+    """MINIVLLM_CACHE_ROOT (default ~/.cache/minivllm): where built CPU kernels are kept."""
+    return os.path.expanduser(os.environ.get("MINIVLLM_CACHE_ROOT", "~/.cache/minivllm"))
+
+
+def attention_backend() -> str:
+    """MINIVLLM_ATTENTION_BACKEND (default auto): TORCH_REF or CPU_PAGED to force one; auto takes
+    CPU_PAGED on CPU when its kernels are built and support the model, else TORCH_REF."""
+    return os.environ.get("MINIVLLM_ATTENTION_BACKEND", "auto").upper()

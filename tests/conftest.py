@@ -43,6 +43,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads the real SmolLM2-135M model")
 
 
+def pytest_sessionstart(session):
+    # The engine takes the C++ CPU kernels when they are built (scripts/setup.sh builds them);
+    # building them here too (a no-op once built) makes every engine test run the path users get.
+    from minivllm.attention import cpu_ops
+
+    cpu_ops.build()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from minivllm import envs
+from minivllm.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -63,8 +68,25 @@ class AttentionBackend(ABC):
         """Write the new K/V into the cache by slot mapping, then attend through block tables."""
 
 
-def get_attn_backend(device: torch.device) -> AttentionBackend:
-    """Select the backend at start-up. Only the reference backend exists so far."""
+def get_attn_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    """Select the backend at start-up: on CPU the C++ paged kernels when they are built and
+    support the model, else the torch reference (MINIVLLM_ATTENTION_BACKEND forces one)."""
     from minivllm.attention.torch_ref import TorchRefAttentionBackend
 
+    choice = envs.attention_backend()
+    if choice not in ("AUTO", "TORCH_REF", "CPU_PAGED"):
+        raise ValueError(f"MINIVLLM_ATTENTION_BACKEND={choice!r}: expected TORCH_REF or CPU_PAGED")
+    if device.type == "cpu" and choice in ("AUTO", "CPU_PAGED"):
+        from minivllm.attention import cpu_ops
+        from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
+
+        if not CpuPagedAttentionBackend.supports(dtype, head_dim):
+            reason = f"{dtype} with head_dim {head_dim} is not supported by the CPU kernels"
+        elif not cpu_ops.load():
+            reason = "the CPU kernels are not built (`python -m minivllm.attention.cpu_ops`, ~15 s)"
+        else:
+            return CpuPagedAttentionBackend()
+        if choice == "CPU_PAGED":
+            raise RuntimeError(f"attention backend CPU_PAGED unavailable: {reason}")
+        logger.info("Attention backend TORCH_REF: %s.", reason)
     return TorchRefAttentionBackend()

@@ -83,18 +83,7 @@ class TorchRefAttentionBackend(AttentionBackend):
                 _to_device(common.block_table[rows, :num_blocks].reshape(-1), device),
                 torch.from_numpy(padding).to(device)[None, :, None, :],
             ))
-        prefills = []
-        for row in np.flatnonzero(~is_decode & (query_lens > 0)):
-            start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
-            span = PrefillSpan(start, end, int(common.num_computed_tokens[row]))
-            if span.context_len > 0:
-                seq_len = int(common.seq_lens[row])
-                q_pos = torch.arange(span.context_len, seq_len, device=device)
-                k_pos = torch.arange(seq_len, device=device)
-                span.seq_len = seq_len
-                span.attn_mask = k_pos[None, :] <= q_pos[:, None]
-                span.block_ids = _to_device(common.block_table[row, : -(-seq_len // bs)], device)
-            prefills.append(span)
+        prefills = build_prefill_spans(common, np.flatnonzero(~is_decode & (query_lens > 0)))
         return TorchRefMetadata(common.slot_mapping, decodes, prefills)
 
     def forward(
@@ -107,11 +96,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-        # [kv_heads, num_blocks * block_size, head_dim] views of the cache
-        key_cache = kv_cache[0].view(num_kv_heads, -1, head_dim)
-        value_cache = kv_cache[1].view(num_kv_heads, -1, head_dim)
-        key_cache.index_copy_(1, attn_metadata.slot_mapping, key.transpose(0, 1))
-        value_cache.index_copy_(1, attn_metadata.slot_mapping, value.transpose(0, 1))
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         key_blocks = kv_cache[0].view(num_kv_heads, num_blocks, block_size * head_dim)
         value_blocks = kv_cache[1].view(num_kv_heads, num_blocks, block_size * head_dim)
 
@@ -122,24 +107,67 @@ class TorchRefAttentionBackend(AttentionBackend):
         for group in decodes:
             idx = group.token_indices
             output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, group, scale)
-        for span in attn_metadata.prefills:
-            # NOTE: 4-D inputs (a batch of one) let CPU SDPA take its flash kernel with GQA;
-            # 3-D inputs fall back to the math path, 2-3x slower.
-            q = query[span.start : span.end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
-            if span.context_len == 0:
-                k = key[span.start : span.end].transpose(0, 1)[None]
-                v = value[span.start : span.end].transpose(0, 1)[None]
-                mask, causal = None, True
-            else:
-                k = key_blocks.index_select(1, span.block_ids).view(num_kv_heads, -1, head_dim)
-                v = value_blocks.index_select(1, span.block_ids).view(num_kv_heads, -1, head_dim)
-                k, v = k[None, :, : span.seq_len], v[None, :, : span.seq_len]
-                mask, causal = span.attn_mask, False
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-            )
-            output[span.start : span.end] = out[0].transpose(0, 1)
+        prefill_attention(query, key, value, kv_cache, attn_metadata.prefills, scale, output)
         return output
+
+
+def build_prefill_spans(common: CommonAttentionMetadata, rows: np.ndarray) -> list[PrefillSpan]:
+    """Per prefill row: its tokens in the flat batch, and for a later chunk the blocks and causal
+    mask of its whole sequence so far."""
+    device, bs = common.device, common.block_size
+    prefills = []
+    for row in rows:
+        start, end = int(common.query_start_loc[row]), int(common.query_start_loc[row + 1])
+        span = PrefillSpan(start, end, int(common.num_computed_tokens[row]))
+        if span.context_len > 0:
+            seq_len = int(common.seq_lens[row])
+            q_pos = torch.arange(span.context_len, seq_len, device=device)
+            k_pos = torch.arange(seq_len, device=device)
+            span.seq_len = seq_len
+            span.attn_mask = k_pos[None, :] <= q_pos[:, None]
+            span.block_ids = _to_device(common.block_table[row, : -(-seq_len // bs)], device)
+        prefills.append(span)
+    return prefills
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store a step's new K/V ([tokens, kv_heads, head_dim]) at their slots."""
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    spans: list[PrefillSpan],
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """One SDPA call per prefill span into its rows of `output`: a fresh prompt attends to its
+    own new K/V; a later chunk to its whole sequence, gathered from the cache (K/V written)."""
+    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+    for span in spans:
+        # NOTE: 4-D inputs (a batch of one) let CPU SDPA take its flash kernel with GQA;
+        # 3-D inputs fall back to the math path, 2-3x slower.
+        q = query[span.start : span.end].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
+        if span.context_len == 0:
+            k = key[span.start : span.end].transpose(0, 1)[None]
+            v = value[span.start : span.end].transpose(0, 1)[None]
+            mask, causal = None, True
+        else:
+            key_blocks = kv_cache[0].view(num_kv_heads, num_blocks, block_size * head_dim)
+            value_blocks = kv_cache[1].view(num_kv_heads, num_blocks, block_size * head_dim)
+            k = key_blocks.index_select(1, span.block_ids).view(num_kv_heads, -1, head_dim)
+            v = value_blocks.index_select(1, span.block_ids).view(num_kv_heads, -1, head_dim)
+            k, v = k[None, :, : span.seq_len], v[None, :, : span.seq_len]
+            mask, causal = span.attn_mask, False
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        output[span.start : span.end] = out[0].transpose(0, 1)
 
 
 def _decode_groups(rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:

@@ -34,7 +34,7 @@ class ModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.attn_backend = get_attn_backend(device)
+        self.attn_backend = get_attn_backend(device, self.dtype, self.model_config.get_head_size())
         self.sampler = Sampler()
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []

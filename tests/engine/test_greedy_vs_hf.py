@@ -49,9 +49,12 @@ ENGINE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama_tied_llama3_rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama_tied_llama3_rope", "llama_head_dim_64"])
 def tiny_case(request, make_tiny_model):
-    if request.param == "llama_tied_llama3_rope":
+    """head_dim 16 runs the torch reference attention; head_dim 64 the C++ CPU kernels."""
+    if request.param == "llama_head_dim_64":
+        model_dir = make_tiny_model("llama", head_dim=64)
+    elif request.param == "llama_tied_llama3_rope":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
         model_dir = make_tiny_model("llama", tie_word_embeddings=True, rope_scaling=rope)

@@ -1,0 +1,242 @@
+// Paged attention on the CPU: one query token per request against its K/V read straight from the
+// cache blocks named by its block table (no gathered copy), and the cache write of a step's new
+// K/V. Built and loaded as torch.ops.minivllm_cpu.* by minivllm/attention/cpu_ops.py.
+//
+// Cache layout per layer (the CPU backend's get_kv_cache_shape):
+//   [2, num_kv_heads, num_blocks, block_size, head_dim]; index 0 holds keys, 1 values.
+// Each work item is one (request, KV head): the query heads sharing that KV head are scored
+// together, so every cached key and value is read once per step.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kMaxHeadsPerKv = 16;
+
+// Loads D values of T as D / Vec::size() float vectors.
+template <typename T, int D>
+inline void load_floats(const T* src, Vec* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int j = 0; j < D / Vec::size(); ++j) dst[j] = Vec::loadu(src + j * Vec::size());
+  } else {
+    using BVec = at::vec::Vectorized<T>;
+    static_assert(BVec::size() == 2 * Vec::size());
+    for (int j = 0; j < D / BVec::size(); ++j) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(BVec::loadu(src + j * BVec::size()));
+      dst[2 * j] = lo;
+      dst[2 * j + 1] = hi;
+    }
+  }
+}
+
+template <typename T, int D>
+inline void store_floats(const Vec* src, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int j = 0; j < D / Vec::size(); ++j) src[j].store(dst + j * Vec::size());
+  } else {
+    using BVec = at::vec::Vectorized<T>;
+    for (int j = 0; j < D / BVec::size(); ++j)
+      at::vec::convert_from_float<T>(src[2 * j], src[2 * j + 1]).store(dst + j * BVec::size());
+  }
+}
+
+// Asks for block `b` of a request (if it has one) ahead of use: blocks are scattered in memory,
+// so the hardware prefetcher cannot follow from one block to the next.
+template <typename T>
+inline void prefetch_block(const T* cache, const int32_t* block_ids, int64_t b, int64_t last,
+                           int64_t bytes) {
+  if (b > last) return;
+  const char* p = reinterpret_cast<const char*>(cache) + block_ids[b] * bytes;
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+// Softmax of scores[0:n] in place, in float32.
+inline void softmax_inplace(float* scores, int64_t n) {
+  float max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                         scores, n);
+  const Vec vmax(max);
+  int64_t t = 0;
+  Vec vsum(0.f);
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    Vec e = (Vec::loadu(scores + t) - vmax).exp_u20();
+    e.store(scores + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - max);
+    sum += scores[t];
+  }
+  const float inv = 1.f / sum;
+  at::vec::map([inv](Vec x) { return x * Vec(inv); }, scores, scores, n);
+}
+
+// Attention of `heads` query heads (rows of q, `q_stride` apart) over one KV head's seq_len
+// cached tokens; scores is scratch of heads * seq_len floats.
+template <typename T, int D, int kHeads>
+void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cache,
+                    const T* value_cache, const int32_t* block_ids, int64_t seq_len,
+                    int64_t block_size, float scale, T* out, int64_t out_stride, float* scores) {
+  constexpr int NV = D / Vec::size();
+  const int heads = kHeads > 0 ? kHeads : heads_rt;
+  const int64_t block_elems = block_size * D;
+  Vec qv[kMaxHeadsPerKv][NV];
+  for (int g = 0; g < heads; ++g) {
+    load_floats<T, D>(q + g * q_stride, qv[g]);
+    for (int j = 0; j < NV; ++j) qv[g][j] = qv[g][j] * Vec(scale);
+  }
+  Vec kv[NV];
+  const int64_t last_block = (seq_len - 1) / block_size;
+  for (int64_t t = 0; t < seq_len; ++t) {
+    if (t % block_size == 0) prefetch_block(key_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
+    load_floats<T, D>(key_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv);
+    for (int g = 0; g < heads; ++g) {
+      Vec acc = qv[g][0] * kv[0];
+      for (int j = 1; j < NV; ++j) acc = at::vec::fmadd(qv[g][j], kv[j], acc);
+      scores[g * seq_len + t] =
+          at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+    }
+  }
+  for (int g = 0; g < heads; ++g) softmax_inplace(scores + g * seq_len, seq_len);
+  Vec acc[kMaxHeadsPerKv][NV];
+  for (int g = 0; g < heads; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = Vec(0.f);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    if (t % block_size == 0) prefetch_block(value_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
+    load_floats<T, D>(value_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv);
+    for (int g = 0; g < heads; ++g) {
+      const Vec p(scores[g * seq_len + t]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = at::vec::fmadd(p, kv[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < heads; ++g) store_floats<T, D>(acc[g], out + g * out_stride);
+}
+
+template <typename T, int D>
+void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
+                                 const at::Tensor& kv_cache, const at::Tensor& token_indices,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 double scale) {
+  const int64_t num_reqs = token_indices.size(0);
+  const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(1);
+  const int heads_per_kv = static_cast<int>(num_heads / num_kv_heads);
+  const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t head_elems = num_blocks * block_size * D;  // one KV head's whole cache
+  const T* key_cache = kv_cache.data_ptr<T>();
+  const T* value_cache = key_cache + num_kv_heads * head_elems;
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t* tokens = token_indices.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t max_len = *std::max_element(lens, lens + num_reqs);
+  // Enough tokens per task that a thread's share outweighs waking it.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, max_len));
+  auto attend = attend_kv_head<T, D, 0>;
+  switch (heads_per_kv) {
+    case 1: attend = attend_kv_head<T, D, 1>; break;
+    case 2: attend = attend_kv_head<T, D, 2>; break;
+    case 3: attend = attend_kv_head<T, D, 3>; break;
+    case 4: attend = attend_kv_head<T, D, 4>; break;
+    case 8: attend = attend_kv_head<T, D, 8>; break;
+  }
+  at::parallel_for(0, num_reqs * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads_per_kv * max_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t row = tokens[r];
+      attend(q + row * query.stride(0) + h * heads_per_kv * D, query.stride(1),
+                           heads_per_kv, key_cache + h * head_elems, value_cache + h * head_elems,
+                           tables + r * table_stride, lens[r], block_size,
+                           static_cast<float>(scale), o + row * out.stride(0) + h * heads_per_kv * D,
+                           out.stride(1), scores.data());
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& token_indices, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, double scale) {
+  switch (query.size(2)) {
+    case 64: return paged_decode_attention_impl<T, 64>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
+    case 128: return paged_decode_attention_impl<T, 128>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 64 or 128, got ", query.size(2));
+  }
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& token_indices, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  if (token_indices.size(0) == 0) return;  // a step of prefills only
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, "out must be shaped like query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type());
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0 &&
+              query.size(1) / kv_cache.size(1) <= kMaxHeadsPerKv, "unsupported head grouping");
+  TORCH_CHECK(token_indices.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
+              seq_lens.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "token_indices int64, block_tables int32 with contiguous rows, seq_lens int32");
+  switch (query.scalar_type()) {
+    case at::kFloat: return dispatch_head_dim<float>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
+    case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+}
+
+// Stores a step's new keys and values ([tokens, kv_heads, head_dim], rows may be strided views
+// of the fused QKV output) at their slots: one copy per token and head, no transposed temporary.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type());
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == kv_cache.size(1) &&
+              key.size(2) == kv_cache.size(4) && key.stride(2) == 1 && value.stride(2) == 1);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == key.size(0));
+  const int64_t num_tokens = key.size(0), num_kv_heads = kv_cache.size(1);
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t elem = kv_cache.element_size(), row_bytes = kv_cache.size(4) * elem;
+  char* key_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* value_cache = key_cache + num_kv_heads * num_slots * row_bytes;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache");
+  at::parallel_for(0, num_tokens, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = (h * num_slots + slots[t]) * row_bytes;
+        std::memcpy(key_cache + dst, k + (t * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
+        std::memcpy(value_cache + dst, v + (t * value.stride(0) + h * value.stride(1)) * elem, row_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor token_indices, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}

@@ -1,0 +1,69 @@
+"""One attention step checked against a direct formula, for any backend: every query token's
+output equals the softmax over its request's earlier keys (causal, GQA), read slot by slot
+from the cache as the step left it, in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+
+def run_step(
+    backend: AttentionBackend,
+    seq_lens: list[int],
+    query_lens: list[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    heads: int = 6,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    block_size: int = 4,
+) -> None:
+    """One step over requests with these total lengths and scheduled query tokens; compares the
+    backend's output with the formula for every token."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    num_blocks = 2 * sum(-(-s // block_size) for s in seq_lens) + 1
+    kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
+    free = rng.permutation(np.arange(1, num_blocks))  # block 0 is the null block
+    block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
+    used = 0
+    for i, s in enumerate(seq_lens):
+        n = -(-s // block_size)
+        block_table[i, :n] = free[used : used + n]
+        used += n
+    computed = np.array([s - q for s, q in zip(seq_lens, query_lens, strict=True)], dtype=np.int32)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    num_tokens = int(query_start_loc[-1])
+    positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
+    req_of_token = np.repeat(np.arange(len(seq_lens)), query_lens)
+    slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc, seq_lens=np.array(seq_lens, dtype=np.int32),
+        num_computed_tokens=computed, block_table=block_table,
+        slot_mapping=torch.from_numpy(slots.astype(np.int64)), block_size=block_size, device=torch.device("cpu"),
+    )
+    query = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities and output rounded
+    # The formula, slot by slot, on the cache as the step left it (new K/V written in).
+    k_all = kv_cache[0].double().reshape(kv_heads, -1, head_dim)
+    v_all = kv_cache[1].double().reshape(kv_heads, -1, head_dim)
+    group = heads // kv_heads
+    for t in range(num_tokens):
+        r, pos = req_of_token[t], positions[t]
+        ctx = np.arange(pos + 1)
+        ctx_slots = torch.from_numpy(block_table[r, ctx // block_size] * block_size + ctx % block_size)
+        for h in range(heads):
+            k, v = k_all[h // group, ctx_slots], v_all[h // group, ctx_slots]
+            p = torch.softmax(k @ query[t, h].double() * scale, dim=0)
+            torch.testing.assert_close(out[t, h].double(), p @ v, atol=tol, rtol=tol)
+
+

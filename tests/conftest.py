@@ -46,9 +46,9 @@ def pytest_configure(config):
 def pytest_sessionstart(session):
     # The engine takes the C++ CPU kernels when they are built (scripts/setup.sh builds them);
     # building them here too (a no-op once built) makes every engine test run the path users get.
-    from minivllm.attention import cpu_ops
+    from minivllm.ops import cpu_kernels
 
-    cpu_ops.build()
+    cpu_kernels.build()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,16 +8,16 @@ import pytest
 import torch
 from attention_utils import run_step
 
-from minivllm.attention import cpu_ops
 from minivllm.attention.backend import CommonAttentionMetadata, get_attn_backend
 from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
 from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache
+from minivllm.ops import cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    cpu_ops.build()
-    assert cpu_ops.load()
+    cpu_kernels.build()
+    assert cpu_kernels.load()
 
 
 SHAPES = [  # (heads, kv_heads, head_dim): SmolLM2, Llama-3-8B-like, MHA, MQA
@@ -129,8 +129,8 @@ def test_backend_choice(monkeypatch):
 def test_unbuilt_kernels_fall_back(monkeypatch, tmp_path):
     """Without a build for this source (a fresh cache root), auto selection takes the reference
     backend rather than compiling at start-up."""
-    monkeypatch.setattr(cpu_ops, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("MINIVLLM_CACHE_ROOT", str(tmp_path))
-    assert not cpu_ops.library_path().exists()
+    assert not cpu_kernels.library_path().exists()
     assert type(get_attn_backend(torch.device("cpu"), torch.bfloat16, 64)) is TorchRefAttentionBackend
     assert not any(tmp_path.iterdir())

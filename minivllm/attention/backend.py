@@ -77,13 +77,15 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     if choice not in ("AUTO", "TORCH_REF", "CPU_PAGED"):
         raise ValueError(f"MINIVLLM_ATTENTION_BACKEND={choice!r}: expected TORCH_REF or CPU_PAGED")
     if device.type == "cpu" and choice in ("AUTO", "CPU_PAGED"):
-        from minivllm.attention import cpu_ops
         from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
+        from minivllm.ops import cpu_kernels
 
         if not CpuPagedAttentionBackend.supports(dtype, head_dim):
             reason = f"{dtype} with head_dim {head_dim} is not supported by the CPU kernels"
-        elif not cpu_ops.load():
-            reason = "the CPU kernels are not built (`python -m minivllm.attention.cpu_ops`, ~15 s)"
+        elif not envs.cpu_kernels():
+            reason = "MINIVLLM_CPU_KERNELS=0"
+        elif not cpu_kernels.load():
+            reason = "the CPU kernels are not built (`python -m minivllm.ops.cpu_kernels`, ~20 s)"
         else:
             return CpuPagedAttentionBackend()
         if choice == "CPU_PAGED":

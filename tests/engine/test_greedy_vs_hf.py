@@ -80,6 +80,15 @@ def test_tiny_models_match_hf(tiny_case, variant):
     assert_engine_idle(llm)
 
 
+def test_torch_path_matches_hf(tiny_case, monkeypatch):
+    """With the C++ CPU kernels turned off, every layer and the attention take their torch
+    path, which must match transformers just the same."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
+    model_dir, prompts, reference = tiny_case
+    llm = LLM(str(model_dir), dtype="float32")
+    check_logprobs_close(outputs_0=reference, outputs_1=generate_greedy(llm, prompts), name_0="hf", name_1="minivllm[torch]")
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_matches_hf(smollm2_hf_dir):
     """The real SmolLM2-135M-Instruct, loaded by minivllm from the GGUF file, against

@@ -6,14 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model.layers.custom_op import CustomOp
+from minivllm.ops.cpu_kernels import VECTOR_ALIGN
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.use_cpu_kernels &= hidden_size % VECTOR_ALIGN == 0
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise x; with `residual`, first add it and also return the sum (the new residual)."""
@@ -27,3 +31,15 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)  # x * rsqrt(mean(x^2) + eps)
         out = normed.to(x.dtype).mul_(self.weight)
         return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Same values in one pass; with `residual`, both are updated in place (x: the normalised
+        sum, residual: the sum), as vLLM's fused_add_rms_norm."""
+        if residual is None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            torch.ops.minivllm_cpu.rms_norm(out, x, self.weight, self.eps)
+            return out
+        torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual

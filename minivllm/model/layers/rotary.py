@@ -1,7 +1,9 @@
 """Rotary position embedding (rotate-half / GPT-NeoX style), with llama3 and linear scaling.
 
 cos/sin are precomputed in float32 for every position up to max_position and indexed by the
-flat `positions` tensor of the step, so requests at different positions share one call.
+flat `positions` tensor of the step, so requests at different positions share one call. The
+torch path gathers the step's rows once (step_tables) for all layers; the CPU kernel reads them
+by position itself and rotates q and k in place.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from minivllm.model.layers.custom_op import CustomOp
+from minivllm.ops.cpu_kernels import VECTOR_ALIGN
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -43,9 +47,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
         super().__init__()
+        self.use_cpu_kernels &= head_dim % (2 * VECTOR_ALIGN) == 0 and head_dim <= 256
         rope_type = rope_parameters["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}.")
@@ -63,16 +68,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's [T, 1, head_dim] cos and signed sin, looked up once and used by every layer."""
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What every layer's rotation needs for this step, computed once: the torch path's
+        [T, 1, head_dim] cos and signed sin in the model dtype; the kernel's positions."""
+        if self.use_cpu_kernels:
+            return positions
         return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
 
-    def forward(
-        self, cos_sin: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor
+    def forward_native(
+        self, tables: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query [T, heads, head_dim], key [T, kv_heads, head_dim] -> rotated copies."""
-        cos, sin = cos_sin
+        cos, sin = tables
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query and key in place (views into the fused QKV output) and returns them."""
+        torch.ops.minivllm_cpu.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
+        return query, key
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
+from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(
-        self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor, attn_metadata: Any
+        self, rope_tables: Any, hidden_states: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(cos_sin, q, k)
+        q, k = self.rotary_emb(rope_tables, q, k)
         out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v, attn_metadata)
         return self.o_proj(out)
 
@@ -74,11 +75,11 @@ class LlamaMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"Unsupported activation {act!r}; only 'silu' is supported.")
         self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=bias)
+        self.act_fn = SiluAndMul(inter)
         self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -93,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope_tables: Any,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         attn_metadata: Any,
@@ -103,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states, attn_metadata)
+        hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -125,10 +126,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        rope_tables = self.rotary_emb.step_tables(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual, attn_metadata)
+            hidden_states, residual = layer(rope_tables, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -1,6 +1,6 @@
 // Paged attention on the CPU: one query token per request against its K/V read straight from the
 // cache blocks named by its block table (no gathered copy), and the cache write of a step's new
-// K/V. Built and loaded as torch.ops.minivllm_cpu.* by minivllm/attention/cpu_ops.py.
+// K/V. Built and loaded as torch.ops.minivllm_cpu.* by minivllm/ops/cpu_kernels.py.
 //
 // Cache layout per layer (the CPU backend's get_kv_cache_shape):
 //   [2, num_kv_heads, num_blocks, block_size, head_dim]; index 0 holds keys, 1 values.
@@ -9,9 +9,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,37 +16,12 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_utils.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using minivllm::Vec;
 constexpr int kMaxHeadsPerKv = 16;
-
-// Loads D values of T as D / Vec::size() float vectors.
-template <typename T, int D>
-inline void load_floats(const T* src, Vec* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int j = 0; j < D / Vec::size(); ++j) dst[j] = Vec::loadu(src + j * Vec::size());
-  } else {
-    using BVec = at::vec::Vectorized<T>;
-    static_assert(BVec::size() == 2 * Vec::size());
-    for (int j = 0; j < D / BVec::size(); ++j) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(BVec::loadu(src + j * BVec::size()));
-      dst[2 * j] = lo;
-      dst[2 * j + 1] = hi;
-    }
-  }
-}
-
-template <typename T, int D>
-inline void store_floats(const Vec* src, T* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    for (int j = 0; j < D / Vec::size(); ++j) src[j].store(dst + j * Vec::size());
-  } else {
-    using BVec = at::vec::Vectorized<T>;
-    for (int j = 0; j < D / BVec::size(); ++j)
-      at::vec::convert_from_float<T>(src[2 * j], src[2 * j + 1]).store(dst + j * BVec::size());
-  }
-}
 
 // Asks for block `b` of a request (if it has one) ahead of use: blocks are scattered in memory,
 // so the hardware prefetcher cannot follow from one block to the next.
@@ -93,14 +65,14 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
   const int64_t block_elems = block_size * D;
   Vec qv[kMaxHeadsPerKv][NV];
   for (int g = 0; g < heads; ++g) {
-    load_floats<T, D>(q + g * q_stride, qv[g]);
+    minivllm::load_floats(q + g * q_stride, qv[g], D);
     for (int j = 0; j < NV; ++j) qv[g][j] = qv[g][j] * Vec(scale);
   }
   Vec kv[NV];
   const int64_t last_block = (seq_len - 1) / block_size;
   for (int64_t t = 0; t < seq_len; ++t) {
     if (t % block_size == 0) prefetch_block(key_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
-    load_floats<T, D>(key_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv);
+    minivllm::load_floats(key_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv, D);
     for (int g = 0; g < heads; ++g) {
       Vec acc = qv[g][0] * kv[0];
       for (int j = 1; j < NV; ++j) acc = at::vec::fmadd(qv[g][j], kv[j], acc);
@@ -114,13 +86,13 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
     for (int j = 0; j < NV; ++j) acc[g][j] = Vec(0.f);
   for (int64_t t = 0; t < seq_len; ++t) {
     if (t % block_size == 0) prefetch_block(value_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
-    load_floats<T, D>(value_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv);
+    minivllm::load_floats(value_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv, D);
     for (int g = 0; g < heads; ++g) {
       const Vec p(scores[g * seq_len + t]);
       for (int j = 0; j < NV; ++j) acc[g][j] = at::vec::fmadd(p, kv[j], acc[g][j]);
     }
   }
-  for (int g = 0; g < heads; ++g) store_floats<T, D>(acc[g], out + g * out_stride);
+  for (int g = 0; g < heads; ++g) minivllm::store_floats(acc[g], out + g * out_stride, D);
 }
 
 template <typename T, int D>
@@ -230,13 +202,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(minivllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor token_indices, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
 }

@@ -1,8 +1,9 @@
-"""`python -m minivllm.engine.launch INPUT OUTPUT PARENT_PID`: the engine process's main.
+"""`python -m minivllm.engine.launch`: the engine process's main.
 
 The front end starts the engine core as a fresh interpreter (spawn semantics, but without
-multiprocessing's re-import of the user's main module, so scripts need no `__main__` guard)
-and writes the pickled VllmConfig to its stdin.
+multiprocessing's re-import of the user's main module, so scripts need no `__main__` guard),
+possibly before it has a config: the model code is imported first, then the pickled
+(input address, output address, parent pid, VllmConfig) is read from stdin.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import sys
 
 
 def main() -> None:
-    input_address, output_address, parent_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    vllm_config = pickle.load(sys.stdin.buffer)
     from minivllm.engine.core import run_engine_core
 
+    try:
+        input_address, output_address, parent_pid, vllm_config = pickle.load(sys.stdin.buffer)
+    except EOFError:
+        return  # the front end gave up before it had a config (a bad argument, say)
     run_engine_core(vllm_config, input_address, output_address, parent_pid)
 
 

@@ -91,6 +91,13 @@ class _Reader(GGUFReader):
 def _open(path: str) -> _Reader:
     if not Path(path).is_file():
         raise ValueError(f"GGUF file not found: {path}")
+    return _open_cached(path, Path(path).stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int) -> _Reader:
+    """One parse per file and process: config, tokenizer, weights and int4 codes all read the
+    same file at start-up, and each parse costs ~0.4 s. The mapping is read-only and lazy."""
     return _Reader(path)
 
 

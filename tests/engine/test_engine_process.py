@@ -22,6 +22,7 @@ from minivllm import (
     RequestOutputKind,
     SamplingParams,
 )
+from minivllm.engine import core_client, llm_engine
 
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 17, list(range(300, 400))]
 
@@ -175,6 +176,23 @@ def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, monkey
                            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         LLM(str(bad), dtype="float32")
+
+
+def test_config_error_ends_the_prestarted_engine_interpreter(model, monkeypatch):
+    """The engine's interpreter starts before the config is read; a bad setting found then is
+    the caller's ValueError, and that interpreter exits (no orphan)."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    started = []
+
+    def start():
+        started.append(core_client.start_engine_interpreter())
+        return started[-1]
+
+    monkeypatch.setattr(llm_engine, "start_engine_interpreter", start)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        LLM(model, dtype="float32", block_size=3)
+    assert len(started) == 1
+    assert started[0].wait(timeout=5) == 0
 
 
 def test_in_thread_engine_for_debugging(model, monkeypatch):

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from minivllm.model.layers.quant import Q4_1Weight
+from minivllm.model.layers.quant import Q4_1Weight, Q8_0Weight
 
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ARCHITECTURES = {
@@ -258,6 +258,18 @@ def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, fix(torch.from_numpy(array).reshape(tuple(reversed(tensor.shape.tolist()))))
 
 
+def gguf_lm_head_q8_0(path: str) -> Q8_0Weight | None:
+    """The matrix serving as lm_head (output.weight, else the tied token_embd.weight) as stored,
+    when it is Q8_0. A Q8_0 block is 34 bytes: a float16 scale, then 32 int8 values."""
+    tensors = {t.name: t for t in _open(path).tensors}
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    raw = np.asarray(tensor.data)
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return Q8_0Weight(torch.from_numpy(q), torch.from_numpy(scale))
 
 
 def iterate_gguf_q4_1(path: str) -> Iterator[tuple[str, Q4_1Weight]]:

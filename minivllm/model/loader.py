@@ -20,6 +20,7 @@ from minivllm.config import ModelConfig
 from minivllm.logger import init_logger
 from minivllm.model.layers.quant import int4_kernel_available
 from minivllm.model.registry import get_model_class
+from minivllm.ops import cpu_kernels
 
 logger = init_logger(__name__)
 
@@ -71,4 +72,9 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
         from minivllm.model.gguf_loader import iterate_gguf_q4_1
 
         model.load_weights(iterate_gguf_q4_1(model_config.model))
+    if model_config.is_gguf and device.type == "cpu" and cpu_kernels.enabled() \
+            and dtype in (torch.float32, torch.bfloat16):
+        from minivllm.model.gguf_loader import gguf_lm_head_q8_0
+
+        model.lm_head_q8_0 = gguf_lm_head_q8_0(model_config.model)
     return model.eval()

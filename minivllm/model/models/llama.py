@@ -20,7 +20,7 @@ from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
-from minivllm.model.layers.quant import Q4_1Weight
+from minivllm.model.layers.quant import Q8_0_MAX_ROWS, Q4_1Weight, Q8_0Weight
 from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -148,12 +148,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        # The lm_head's GGUF Q8_0 codes, for steps sampling few rows (set by the loader).
+        self.lm_head_q8_0: Q8_0Weight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits for the rows that are sampled only: [num_sampled, vocab], float32."""
+        if self.lm_head_q8_0 is not None and hidden_states.shape[0] <= Q8_0_MAX_ROWS:
+            return self.lm_head_q8_0.matmul(hidden_states)
         return F.linear(hidden_states, self.lm_head.weight).float()
 
     def attention_layers(self) -> list[Attention]:

@@ -85,7 +85,7 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, head_dim: int) ->
         elif not envs.cpu_kernels():
             reason = "MINIVLLM_CPU_KERNELS=0"
         elif not cpu_kernels.load():
-            reason = "the CPU kernels are not built (`python -m minivllm.ops.cpu_kernels`, ~20 s)"
+            reason = "the CPU kernels are not built (`python -m minivllm.ops.cpu_kernels`, ~30 s)"
         else:
             return CpuPagedAttentionBackend()
         if choice == "CPU_PAGED":

@@ -1,10 +1,10 @@
-"""Paged attention for CPUs through the C++ kernels in csrc/ (torch.ops.minivllm_cpu).
+"""Paged attention for CPUs through the C++ kernels in ops/csrc/ (torch.ops.minivllm_cpu).
 
 Decode tokens, any number of them at any lengths, go to one kernel call per layer that reads
 each request's K/V straight from its blocks: no gathered copy, no padding to the longest
 request, one pass over K and one over V per (request, KV head), float32 accumulation. The new
 K/V go into the cache by one copy per token and head. Prefill spans take the reference path
-(one SDPA flash call each), which is already near the matmul rate for long queries.
+(one SDPA flash call each; a C++ prefill kernel is still to come, see docs/PERFORMANCE.md).
 
 Same cache layout as the reference backend, so both read each other's caches and tests can
 compare them on one cache.

@@ -5,7 +5,7 @@ layernorm.cpp: RMSNorm with the residual add; activation.cpp: SiLU-and-mul; pos_
 rotary embedding in place. Each matches the torch reference path's roundings (see its header).
 
 The kernels are compiled once per machine, with -march=native, by `python -m
-minivllm.ops.cpu_kernels` (scripts/setup.sh runs it; about 20 s on 2 cores) into
+minivllm.ops.cpu_kernels` (scripts/setup.sh runs it; about 30 s on 2 cores) into
 MINIVLLM_CACHE_ROOT/kernels/, under a name that hashes the sources, torch's version and the
 compiler flags. Start-up only loads a finished build: it never compiles, so it stays fast, and
 without a build (no compiler, or never run) every layer takes its torch path.

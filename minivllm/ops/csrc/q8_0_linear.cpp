@@ -76,17 +76,18 @@ void q8_0_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
               scales.size(1) == k / kBlock, "scales must be float16 [N, K / 32]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.size(0) == m && out.size(1) == n &&
               out.stride(1) == 1, "out must be float32 [M, N]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   if (m == 0) return;
   // The few rows of x, in float32 and contiguous, shared by every thread.
   std::vector<float> xf(m * k);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) {
+      const int64_t idx = r * x.stride(0) + i * x.stride(1);
       xf[r * k + i] = x.scalar_type() == at::kBFloat16
-          ? static_cast<float>(x.data_ptr<c10::BFloat16>()[r * x.stride(0) + i * x.stride(1)])
-          : x.data_ptr<float>()[r * x.stride(0) + i * x.stride(1)];
+          ? static_cast<float>(static_cast<const c10::BFloat16*>(x.data_ptr())[idx])
+          : static_cast<const float*>(x.data_ptr())[idx];
     }
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
   const int8_t* q = qweight.data_ptr<int8_t>();
   const c10::Half* s = scales.data_ptr<c10::Half>();
   float* o = out.data_ptr<float>();

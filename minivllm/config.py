@@ -13,6 +13,11 @@ from typing import Any
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def get_head_size(hf_config: Any) -> int:
+    """Per-head size of an HF config: its head_dim when set (Qwen3, Gemma), else hidden / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -43,8 +48,7 @@ class ModelConfig:
         return self.model.endswith(".gguf")
 
     def get_head_size(self) -> int:
-        hf = self.hf_config
-        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return get_head_size(self.hf_config)
 
     @property
     def architecture(self) -> str:

@@ -2,7 +2,8 @@
 
 paged_attention.cpp: decode attention through block tables and the K/V cache write;
 layernorm.cpp: RMSNorm with the residual add; activation.cpp: SiLU-and-mul; pos_encoding.cpp:
-rotary embedding in place. Each matches the torch reference path's roundings (see its header).
+rotary embedding in place; q8_0_linear.cpp: x @ W^T from GGUF Q8_0 codes for a few rows. Each
+matches the torch reference path's roundings, or computes more exactly (see its header).
 
 The kernels are compiled once per machine, with -march=native, by `python -m
 minivllm.ops.cpu_kernels` (scripts/setup.sh runs it; about 30 s on 2 cores) into

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
+from minivllm.config import get_head_size
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = get_head_size(config)
         self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
@@ -115,9 +116,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         # One rotary table for all layers (4 MiB per copy at 8k positions).
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(
+            get_head_size(config), config.max_position_embeddings, get_rope_parameters(config)
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, self.rotary_emb, qkv_bias, qk_norm)
             for _ in range(config.num_hidden_layers)

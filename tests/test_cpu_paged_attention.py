@@ -1,5 +1,6 @@
-"""The C++ CPU paged attention (attention/cpu_paged.py, csrc/paged_attention_cpu.cpp) against the
-float64 formula, against the torch reference on the same cache, and the backend choice."""
+"""The C++ CPU paged attention (attention/cpu_paged.py; csrc/paged_attention.cpp for decodes,
+csrc/paged_prefill_attention.cpp for prefills) against the float64 formula, against the torch
+reference on the same cache, and the backend choice."""
 
 from __future__ import annotations
 
@@ -48,9 +49,70 @@ def test_decodes_only_matches_formula(seq_lens, block_size):
 
 
 def test_prefills_only():
-    """A step with no decodes: the kernel has nothing to do, prefill spans are all computed."""
+    """A step with no decodes: the decode kernel has nothing to do, every prefill is computed."""
     run_step(CpuPagedAttentionBackend(), [12, 40, 5], [12, 8, 5], heads=9, kv_heads=3,
              head_dim=64, block_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_long_prefills_match_formula(shape, dtype):
+    """Prompts over many tiles (a tile holds 64 / heads-per-KV-head tokens): lengths at and
+    around tile and block edges, a later chunk after 100 cached tokens and a prompt after a
+    whole-block prefix hit (query starting at a block boundary)."""
+    heads, kv_heads, head_dim = shape
+    seq_lens = [2, 21, 22, 64, 65, 137, 300, 48]
+    query_lens = [2, 21, 22, 64, 65, 37, 300, 16]
+    run_step(CpuPagedAttentionBackend(), seq_lens, query_lens, dtype=dtype, heads=heads,
+             kv_heads=kv_heads, head_dim=head_dim, block_size=16, seed=3)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 128])
+def test_prefill_block_sizes(block_size):
+    run_step(CpuPagedAttentionBackend(), [70, 9, 200], [70, 5, 33], dtype=torch.bfloat16,
+             heads=9, kv_heads=3, head_dim=64, block_size=block_size, seed=block_size)
+
+
+def test_prefill_reads_strided_query_rows():
+    """In the model the query is a view of the fused QKV output (rows wider than heads x
+    head_dim); the kernel follows the strides and writes a separate output."""
+    backend = CpuPagedAttentionBackend()
+    gen = torch.Generator().manual_seed(2)
+    n, heads, kv_heads, dim = 50, 9, 3, 64
+    cache = torch.zeros(backend.get_kv_cache_shape(8, 16, kv_heads, dim), dtype=torch.bfloat16)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : heads * dim].view(n, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    table = np.array([[3, 1, 7, 5]], dtype=np.int32)
+    positions = np.arange(n)
+    slots = torch.from_numpy((table[0, positions // 16] * 16 + positions % 16).astype(np.int64))
+    common = CommonAttentionMetadata(np.array([0, n], dtype=np.int32), np.array([n], dtype=np.int32),
+                                     np.array([0], dtype=np.int32), table, slots, 16, torch.device("cpu"))
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common), dim**-0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
+        is_causal=True, scale=dim**-0.5, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "table", "message"), [
+    ([5], [4], [[1]], "bad lengths"),  # more query tokens than the sequence holds
+    ([0], [4], [[1]], "bad lengths"),
+    ([60], [60], [[1]], "bad lengths"),  # tokens past the end of the query tensor
+    ([5], [40], [[1, 2]], "too few blocks"),
+    ([5], [20], [[1, 9]], "outside the cache"),
+    ([5], [20], [[1, -1]], "outside the cache"),
+])
+def test_prefill_bad_metadata_is_an_error(query_lens, seq_lens, table, message):
+    cache = torch.zeros(TorchRefAttentionBackend().get_kv_cache_shape(4, 16, 3, 64))
+    q = torch.ones(8, 9, 64)
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.minivllm_cpu.paged_prefill_attention(
+            out, q, cache, torch.tensor([0]), torch.tensor(query_lens, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(table, dtype=torch.int32), 0.125)
+    assert not out.any()
 
 
 def test_many_requests_bfloat16():

@@ -124,7 +124,7 @@ def test_null_block_never_handed_out():
     assert pool.free_block_queue.block_ids() == [1, 2, 3, 4]
     for _ in range(3):  # allocate everything, free it, again
         blocks = pool.get_new_blocks(4)
-        assert [b.block_id for b in blocks] == sorted(b.block_id for b in blocks)
+        assert sorted(b.block_id for b in blocks) == [1, 2, 3, 4]
         assert 0 not in {b.block_id for b in blocks}
         assert pool.get_num_free_blocks() == 0
         with pytest.raises(ValueError):
@@ -164,17 +164,31 @@ def test_get_new_blocks_beyond_free_count_raises_and_changes_nothing():
     assert [b.ref_cnt for b in pool.blocks] == [1, 1, 0, 0]
 
 
-def test_free_order_is_the_order_given():
+def test_cached_blocks_are_freed_in_the_order_given():
     pool = BlockPool(6)
     blocks = pool.get_new_blocks(5)  # ids 1..5, queue now empty
+    pool.cache_full_blocks(blocks, ["a", "b", "c", "d", "e"])
     by_id = {b.block_id: b for b in blocks}
     pool.free_blocks([by_id[i] for i in (4, 2, 5)])
     assert pool.free_block_queue.block_ids() == [4, 2, 5]
     pool.free_blocks(iter([by_id[3], by_id[1]]))  # any iterable, e.g. reversed(...)
     assert pool.free_block_queue.block_ids() == [4, 2, 5, 3, 1]
-    # ...and the next allocations come out in that order (LRU: first freed, first reused).
+    # ...and the next allocations evict them in that order (LRU: first freed, first reused).
     assert [b.block_id for b in pool.get_new_blocks(3)] == [4, 2, 5]
     _check_links(pool.free_block_queue)
+
+
+def test_empty_blocks_are_reused_before_never_used_and_cached_ones():
+    """An empty freed block goes to the head (last freed, first reused): it holds nothing the
+    prefix cache could lose and its memory is warm; never-used blocks come next, cached last."""
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(4)  # 1..4; 5, 6, 7 never used
+    pool.cache_full_blocks(blocks[:2], ["a", "b"])
+    pool.free_blocks(reversed(blocks))  # as KVCacheManager.free: tail first
+    assert pool.free_block_queue.block_ids() == [3, 4, 5, 6, 7, 2, 1]
+    _check_links(pool.free_block_queue)
+    assert [b.block_id for b in pool.get_new_blocks(6)] == [3, 4, 5, 6, 7, 2]
+    assert pool.get_cached_block("a") is blocks[0] and pool.get_cached_block("b") is None
 
 
 def test_shared_block_is_freed_on_last_reference():
@@ -184,7 +198,7 @@ def test_shared_block_is_freed_on_last_reference():
     pool.free_blocks([block])
     assert block.ref_cnt == 1 and block.block_id not in pool.free_block_queue.block_ids()
     pool.free_blocks([block])
-    assert block.ref_cnt == 0 and pool.free_block_queue.block_ids()[-1] == block.block_id
+    assert block.ref_cnt == 0 and pool.free_block_queue.block_ids()[0] == block.block_id
 
 
 def test_double_free_raises():

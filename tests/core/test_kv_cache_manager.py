@@ -124,15 +124,17 @@ def test_failure_leaves_pool_unchanged():
 
 
 def test_free_returns_blocks_tail_first():
+    """Tail first: uncached blocks land at the queue's head, so a request's blocks come back in
+    table order, the last freed request's first."""
     kv = _manager()
     a, b = create_requests(2)
     _grow(kv, a, 40)  # [1, 2, 3]
     _grow(kv, b, 20)  # [4, 5]
     assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10]
     kv.free(a)
-    assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10, 3, 2, 1]
+    assert kv.block_pool.free_block_queue.block_ids() == [1, 2, 3, 6, 7, 8, 9, 10]
     kv.free(b)
-    assert kv.block_pool.free_block_queue.block_ids() == [6, 7, 8, 9, 10, 3, 2, 1, 5, 4]
+    assert kv.block_pool.free_block_queue.block_ids() == [4, 5, 1, 2, 3, 6, 7, 8, 9, 10]
     assert kv.req_to_blocks == {}
     assert kv.get_block_ids("0") == []
     assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks[1:])
@@ -171,9 +173,9 @@ def test_reallocation_after_free_starts_from_scratch():
     _grow(kv, b, 5)  # [3]
     kv.free(a)
     a.num_computed_tokens = 0
-    assert kv.block_pool.free_block_queue.block_ids() == [4, 5, 6, 7, 8, 9, 10, 2, 1]
-    assert _grow(kv, a, 21) == [4, 5]
-    assert kv.get_block_ids("0") == [4, 5]
+    assert kv.block_pool.free_block_queue.block_ids() == [1, 2, 4, 5, 6, 7, 8, 9, 10]
+    assert _grow(kv, a, 21) == [1, 2]
+    assert kv.get_block_ids("0") == [1, 2]
 
 
 def test_usage():

@@ -219,7 +219,7 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
     assert pool.reset_prefix_cache() is True
     assert pool.cached_block_hash_to_block == {}
     assert all(b.block_hash is None for b in pool.blocks)
-    assert _free_ids(pool) == [3, 1, 2]  # the queue itself is untouched
+    assert _free_ids(pool) == [2, 1, 3]  # emptied blocks first, the never-used one after
 
 
 def test_cache_full_blocks_keeps_the_existing_entry_for_a_duplicate_hash():
@@ -394,29 +394,9 @@ def test_ref_counts_equal_the_number_of_holders():
     assert _refs(kv, [1, 2]) == [1, 1]
     kv.free(reqs[2])
     assert _refs(kv, [1, 2, 3, 4, 5]) == [0] * 5
-    # The shared blocks joined the queue when their last holder (reqs[2]) freed them.
-    assert _free_ids(kv.block_pool) == [
-        6,
-        7,
-        8,
-        9,
-        10,
-        11,
-        12,
-        13,
-        14,
-        15,
-        16,
-        17,
-        18,
-        19,
-        20,
-        4,
-        3,
-        5,
-        2,
-        1,
-    ]
+    # The partial last blocks (uncached) went to the head as they were freed; the shared,
+    # cached blocks joined the tail when their last holder (reqs[2]) freed them.
+    assert _free_ids(kv.block_pool) == [5, 3, 4, *range(6, 21), 2, 1]
 
 
 def test_eviction_takes_the_tail_of_a_freed_request_first():
@@ -427,10 +407,11 @@ def test_eviction_takes_the_tail_of_a_freed_request_first():
     h = list(a.block_hashes)
     assert len(h) == 4
     kv.free(a)
-    assert _free_ids(kv.block_pool) == [6, 7, 8, 5, 4, 3, 2, 1]
-    # Pressure: x takes the never-used blocks and a's partial block, y two of a's cached ones.
+    assert _free_ids(kv.block_pool) == [5, 6, 7, 8, 4, 3, 2, 1]
+    # Pressure: x takes a's partial (uncached) block and the never-used blocks, y two of a's
+    # cached ones.
     _admit(kv, _request(_tokens(16, 700), "x"))
-    assert kv.get_block_ids("x") == [6, 7, 8, 5]
+    assert kv.get_block_ids("x") == [5, 6, 7, 8]
     assert all(kv.block_pool.get_cached_block(x) is not None for x in h)
     _admit(kv, _request(_tokens(8, 800), "y"))
     assert kv.get_block_ids("y") == [4, 3]
@@ -448,7 +429,7 @@ def test_allocation_counts_evictable_hit_blocks_and_touches_nothing_on_failure()
     a = _request(prompt, "a")
     _admit(kv, a)  # blocks 1, 2 (cached), 3
     kv.free(a)
-    assert _free_ids(kv.block_pool) == [4, 3, 2, 1]
+    assert _free_ids(kv.block_pool) == [3, 4, 2, 1]
     b = _request(prompt[:8] + _tokens(12, 900), "b")  # 20 tokens: hit 2 blocks, 3 new
     hit, num_hit = kv.get_computed_blocks(b)
     assert [x.block_id for x in hit] == [1, 2] and num_hit == 8
@@ -467,8 +448,8 @@ def test_allocation_counts_evictable_hit_blocks_and_touches_nothing_on_failure()
     assert before == after
     assert not kv.get_block_ids("b")
     # 2 new + 2 hit = 4: fits, and takes exactly the two blocks that are not hits.
-    assert kv.allocate_slots(b, 8, hit) == [4, 3]
-    assert kv.get_block_ids("b") == [1, 2, 4, 3] and kv.get_num_free_blocks() == 0
+    assert kv.allocate_slots(b, 8, hit) == [3, 4]
+    assert kv.get_block_ids("b") == [1, 2, 3, 4] and kv.get_num_free_blocks() == 0
 
 
 def test_prefix_cache_stats_count_tokens():
@@ -630,7 +611,7 @@ def test_preempted_request_resumes_from_its_cached_blocks():
         so, _ = step(scheduler, worker)
         assert so.num_scheduled_tokens == {"0": 1}
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert pool.free_block_queue.block_ids() == [4, 3, 5, 2, 1]
+    assert pool.free_block_queue.block_ids() == [5, 4, 3, 2, 1]  # a's last block is partial
 
     so, outs = step(scheduler, worker)
     assert _cached(so) == {"1": (True, [3, 4, 5], 8)}  # resumed at its cache hit
@@ -698,7 +679,7 @@ def test_abort_of_a_request_sharing_blocks_keeps_them_alive():
     scheduler.finish_requests(["0"], RequestStatus.FINISHED_ABORTED)
     check_invariants(scheduler)
     assert [pool.blocks[i].ref_cnt for i in range(1, 7)] == [2, 2, 2, 0, 1, 1]
-    assert pool.free_block_queue.block_ids()[-1] == 4
+    assert pool.free_block_queue.block_ids()[0] == 4  # its partial block, uncached: at the head
     assert not {1, 2, 3} & set(pool.free_block_queue.block_ids())
     scheduler.finish_requests(["1"], RequestStatus.FINISHED_ABORTED)
     assert [pool.blocks[i].ref_cnt for i in range(1, 7)] == [1, 1, 1, 0, 0, 1]

@@ -89,7 +89,7 @@ def test_single_request_lifecycle():
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert req.output_token_ids == [T0, T0 + 1, T0 + 2]
     assert not scheduler.has_unfinished_requests() and scheduler.requests == {}
-    assert _free_ids(scheduler) == [3, 4, 5, 6, 7, 8, 9, 10, 2, 1]
+    assert _free_ids(scheduler) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # emptied blocks at the head
 
     so, outs = step(scheduler, worker)  # the worker learns about the finish one step later
     assert so.finished_req_ids == {"0"} and so.total_num_scheduled_tokens == 0 and outs == []
@@ -295,31 +295,32 @@ def test_preemption_victim_is_the_most_recently_admitted():
     }
     assert _free_ids(scheduler) == [] and list(scheduler.waiting) == [d]
 
-    # Step 2: a's 9th token needs a 3rd block: c (admitted last) is preempted, not b.
+    # Step 2: a's 9th token needs a 3rd block: c (admitted last) is preempted, not b, and a
+    # takes c's first block (freed blocks are reused first).
     so, _ = step(scheduler, worker)
     assert so.preempted_req_ids == {"2"}
     assert so.num_scheduled_tokens == {"0": 1, "1": 1}
-    assert _cached(so) == {"0": (False, [7], 8), "1": (False, [], 6)}
+    assert _cached(so) == {"0": (False, [5], 8), "1": (False, [], 6)}
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert c.output_token_ids == [T0]  # its sampled token is kept, only the KV is dropped
     assert list(scheduler.waiting) == [c, d]  # back at the head of the queue
     assert scheduler.running == [a, b]
     assert scheduler.kv_cache_manager.get_block_ids("2") == []
-    assert _free_ids(scheduler) == [6, 5]
+    assert _free_ids(scheduler) == [6, 7]
 
     # Step 3: c needs 3 blocks for its 12 tokens, only 2 are free: it waits (and so does d).
     so, outs = step(scheduler, worker)
     assert so.num_scheduled_tokens == {"0": 1, "1": 1} and so.preempted_req_ids == set()
     assert {o.request_id: o.finish_reason for o in outs} == {"0": FinishReason.LENGTH, "1": None}
-    assert _free_ids(scheduler) == [6, 5, 7, 2, 1]
+    assert _free_ids(scheduler) == [1, 2, 5, 6, 7]
 
-    # Step 4: b decodes first (block 6), then c is resumed with its full new block table,
+    # Step 4: b decodes first (block 1), then c is resumed with its full new block table,
     # then d is admitted.
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (False, [6], 8), "2": (True, [5, 7, 2], 0)}
-    assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [("3", [1])]
+    assert _cached(so) == {"1": (False, [1], 8), "2": (True, [2, 5, 6], 0)}
+    assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [("3", [7])]
     assert list(so.num_scheduled_tokens.items()) == [("1", 1), ("2", 12), ("3", 4)]
     assert {o.request_id: o.new_token_ids for o in outs} == {
         "1": [T0 + 3],
@@ -328,11 +329,11 @@ def test_preemption_victim_is_the_most_recently_admitted():
     }
     assert b.is_finished() and c.status == RequestStatus.RUNNING
     assert scheduler.running == [c, d]
-    assert _free_ids(scheduler) == [6, 4, 3]
+    assert _free_ids(scheduler) == [3, 4, 1]
 
     # Step 5: both decode (and grow by a block), and finish.
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"2": (False, [6], 12), "3": (False, [4], 4)}
+    assert _cached(so) == {"2": (False, [3], 12), "3": (False, [4], 4)}
     assert {o.request_id: o.finish_reason for o in outs} == {
         "2": FinishReason.LENGTH,
         "3": FinishReason.LENGTH,
@@ -353,7 +354,8 @@ def test_requests_finishing_in_the_same_step_free_blocks_in_batch_order():
     scheduler = create_scheduler(num_blocks=41, block_size=16, max_num_seqs=20)
     _add(scheduler, create_requests(20, prompt_len=16, max_tokens=1))
     step(scheduler, FakeWorker())  # request i holds block i + 1; all 20 finish together
-    assert _free_ids(scheduler) == list(range(21, 41)) + list(range(1, 21))
+    # Each request's (uncached) block goes to the head: the last in the batch ends up first.
+    assert _free_ids(scheduler) == list(range(20, 0, -1)) + list(range(21, 41))
 
 
 def test_request_preempts_itself_when_it_is_the_last_one():
@@ -372,17 +374,17 @@ def test_request_preempts_itself_when_it_is_the_last_one():
     assert so.preempted_req_ids == {"1"}
     assert _cached(so) == {"0": (False, [5], 8)}
     assert b.status == RequestStatus.PREEMPTED and list(scheduler.waiting) == [b]
-    assert _free_ids(scheduler) == [4, 3]
+    assert _free_ids(scheduler) == [3, 4]
 
     for _ in range(2):  # b (9 tokens, 3 blocks) does not fit in 2 free blocks
         so, _ = step(scheduler, worker)
         assert so.num_scheduled_tokens == {"0": 1}
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_output_tokens == 4
-    assert _free_ids(scheduler) == [4, 3, 5, 2, 1]
+    assert _free_ids(scheduler) == [1, 2, 5, 3, 4]
 
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (True, [4, 3, 5], 0)}
+    assert _cached(so) == {"1": (True, [1, 2, 5], 0)}
     assert so.num_scheduled_tokens == {"1": 9}  # the prompt plus its first output token
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     result = run_to_completion(scheduler, worker=worker)
@@ -534,7 +536,7 @@ def test_abort_running_request_frees_its_blocks():
     assert a.status == RequestStatus.FINISHED_ABORTED
     assert scheduler.running == [b] and "0" not in scheduler.requests
     assert scheduler.kv_cache_manager.get_num_free_blocks() == 9
-    assert _free_ids(scheduler) == [5, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert _free_ids(scheduler) == [1, 2, 3, 5, 6, 7, 8, 9, 10]
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"} and so.num_scheduled_tokens == {"1": 1}
     assert [o.request_id for o in outs] == ["1"]

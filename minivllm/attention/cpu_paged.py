@@ -36,12 +36,12 @@ class PagedRows:
     block_tables: torch.Tensor  # [n, max_blocks] int32
 
     @classmethod
-    def select(cls, common: CommonAttentionMetadata, rows: np.ndarray) -> PagedRows:
+    def select(cls, common: CommonAttentionMetadata, query_lens: np.ndarray, rows: np.ndarray) -> PagedRows:
         seq_lens = common.seq_lens[rows]
         max_blocks = -(-int(seq_lens.max()) // common.block_size) if len(rows) else 0
         return cls(
             torch.from_numpy(common.query_start_loc[rows].astype(np.int64)),
-            torch.from_numpy(common.query_lens[rows].astype(np.int32)),
+            torch.from_numpy(query_lens[rows].astype(np.int32)),
             torch.from_numpy(seq_lens.astype(np.int32)),
             torch.from_numpy(np.ascontiguousarray(common.block_table[rows, :max_blocks], dtype=np.int32)),
         )
@@ -66,8 +66,8 @@ class CpuPagedAttentionBackend(TorchRefAttentionBackend):
         query_lens = common.query_lens
         return CpuPagedMetadata(
             slot_mapping=common.slot_mapping,
-            decodes=PagedRows.select(common, np.flatnonzero(query_lens == 1)),
-            prefills=PagedRows.select(common, np.flatnonzero(query_lens > 1)),
+            decodes=PagedRows.select(common, query_lens, np.flatnonzero(query_lens == 1)),
+            prefills=PagedRows.select(common, query_lens, np.flatnonzero(query_lens > 1)),
         )
 
     def forward(

@@ -20,8 +20,8 @@
 
 namespace {
 
+using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
-constexpr int kMaxHeadsPerKv = 16;
 
 // Asks for block `b` of a request (if it has one) ahead of use: blocks are scattered in memory,
 // so the hardware prefetcher cannot follow from one block to the next.

@@ -27,13 +27,16 @@
 
 namespace {
 
+using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
 constexpr int kLanes = Vec::size();
 constexpr int kMaxRowVecs = 4;  // rows per tile: 64 on AVX-512
 constexpr int kMaxRows = kMaxRowVecs * kLanes;
 constexpr int kKeysPerStep = 4;  // keys per register block of Q.K^T
 constexpr int kDimsPerStep = 4;  // head dims per register block of P.V
-constexpr int kMaxHeadsPerKv = 16;
+
+// Keys are scored kKeysPerStep at a time: buffers hold n keys rounded up, the extra ones zero.
+inline int64_t padded_keys(int64_t n) { return (n + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep; }
 
 struct Scratch {
   std::vector<float> qt;  // [head_dim, kMaxRows]: the tile's scaled queries, rows in lanes
@@ -76,7 +79,7 @@ void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int he
                  int64_t out_head_stride, Scratch& s) {
   constexpr int RP = NRV * kLanes;
   const int64_t rows = num_tokens * heads;
-  const int64_t keys_pad = (num_keys + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
+  const int64_t keys_pad = padded_keys(num_keys);
   float* qt = s.qt.data();
   float* p = s.p.data();
   float* ot = s.ot.data();
@@ -197,7 +200,7 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   // Longest first (keys seen by the tile's last row), so the last tiles handed out are short.
   auto keys_seen = [&](const Tile& t) { return lens[t.req] - qlens[t.req] + t.first_token + t.num_tokens; };
   std::sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return keys_seen(a) > keys_seen(b); });
-  const int64_t keys_pad = (max_keys + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
+  const int64_t keys_pad = padded_keys(max_keys);
 
   std::atomic<int64_t> next{0};
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
@@ -213,7 +216,7 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
       const int64_t num_keys = keys_seen(tile);
       const int64_t first_pos = lens[tile.req] - qlens[tile.req] + tile.first_token;
       const int32_t* block_ids = tables + tile.req * block_tables.stride(0);
-      const int64_t pad = (num_keys + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep;
+      const int64_t pad = padded_keys(num_keys);
       gather_floats<T, D>(key_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys, pad, s.k.data());
       gather_floats<T, D>(value_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys, pad, s.v.data());
       const int64_t token = starts[tile.req] + tile.first_token;

@@ -68,4 +68,8 @@ inline void round_pair(Vec& lo, Vec& hi) {
 
 constexpr int64_t kPair = 2 * Vec::size();
 
+// Query heads per KV head the attention kernels take (the decode kernel keeps one query vector
+// set per head in registers).
+constexpr int kMaxHeadsPerKv = 16;
+
 }  // namespace minivllm

@@ -47,3 +47,9 @@ def cpu_kernels() -> bool:
     """MINIVLLM_CPU_KERNELS (default 1): use the built C++ CPU kernels (minivllm/ops); 0 runs the
     torch path of every layer instead."""
     return _bool("MINIVLLM_CPU_KERNELS", True)
+
+
+def cpu_packed_linear() -> bool:
+    """MINIVLLM_CPU_PACKED_LINEAR (default 1): on CPU in bfloat16, keep linear weights in oneDNN's
+    packed layout (model/layers/linear.py); 0 applies the plain weights with F.linear."""
+    return _bool("MINIVLLM_CPU_PACKED_LINEAR", True)

@@ -18,6 +18,7 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.config import ModelConfig
 from minivllm.logger import init_logger
+from minivllm.model.layers.linear import packed_linear_available
 from minivllm.model.layers.quant import int4_kernel_available
 from minivllm.model.registry import get_model_class
 from minivllm.ops import cpu_kernels
@@ -77,4 +78,15 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
         from minivllm.model.gguf_loader import gguf_lm_head_q8_0
 
         model.lm_head_q8_0 = gguf_lm_head_q8_0(model_config.model)
+    if packed_linear_available(device, dtype):
+        process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every module that keeps a weight in a faster runtime layout the chance to convert it,
+    once every checkpoint tensor is in (vLLM's hook of the same name)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()

@@ -22,6 +22,8 @@ import torch
 Q4_1_GROUP = 32
 # Rows up to which the int4 kernel is used. Measured on a 2-core AVX-512 CPU for a 3072x576
 # layer: 4.3x faster than the bfloat16 matmul at 1 row, 2.6x at 4, 1.4x at 8, slower from ~14.
+# Against the oneDNN-packed bfloat16 weights (linear.py), decoding SmolLM2 with 4 sequences takes
+# 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36.
 INT4_MAX_ROWS = 8
 
 

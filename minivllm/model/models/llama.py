@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
@@ -20,7 +19,14 @@ from minivllm.config import get_head_size
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
-from minivllm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from minivllm.model.layers.linear import (
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    default_weight_loader,
+    linear,
+    pack_linear_weight,
+)
 from minivllm.model.layers.quant import Q8_0_MAX_ROWS, Q4_1Weight, Q8_0Weight
 from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
 
@@ -151,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
         # The lm_head's GGUF Q8_0 codes, for steps sampling few rows (set by the loader).
         self.lm_head_q8_0: Q8_0Weight | None = None
+        # A tied lm_head's weight packed for oneDNN; the embedding keeps the plain one for lookups.
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
@@ -159,7 +167,13 @@ class LlamaForCausalLM(nn.Module):
         """Logits for the rows that are sampled only: [num_sampled, vocab], float32."""
         if self.lm_head_q8_0 is not None and hidden_states.shape[0] <= Q8_0_MAX_ROWS:
             return self.lm_head_q8_0.matmul(hidden_states)
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head.weight
+        return linear(hidden_states, weight).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the tied lm_head for oneDNN (an untied one is a Linear, which packs itself)."""
+        if self.tie_word_embeddings:
+            self.lm_head_packed = pack_linear_weight(self.lm_head.weight)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

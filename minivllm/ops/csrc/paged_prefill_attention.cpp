@@ -10,9 +10,10 @@
 // Each work item is a tile: up to kMaxRowVecs vectors' worth of query rows (tokens x the query
 // heads sharing one KV head) of one request. The tile's rows lie across the SIMD lanes: Q is
 // transposed once per tile, and then Q.K^T, the causal mask, the softmax and P.V are all vertical
-// vector operations over keys, each key and value element a broadcast. No horizontal
-// reductions, no transposed K, and the scores of a whole tile (keys x rows) stay in float32.
-// Tiles go to threads longest first from a shared counter: causal tiles differ in length.
+// vector operations over keys, each key and value element (in bfloat16 with AVX512-BF16: each
+// pair of them) a broadcast. No horizontal reductions, no transposed K, and the scores of a
+// whole tile (keys x rows) stay in float32. Tiles go to threads longest first from a shared
+// counter: causal tiles differ in length.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,33 +21,88 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "vec_utils.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
+using BF16 = c10::BFloat16;
 constexpr int kLanes = Vec::size();
 constexpr int kMaxRowVecs = 4;  // rows per tile: 64 on AVX-512
 constexpr int kMaxRows = kMaxRowVecs * kLanes;
 constexpr int kKeysPerStep = 4;  // keys per register block of Q.K^T
 constexpr int kDimsPerStep = 4;  // head dims per register block of P.V
 
+// bfloat16 with AVX512-BF16: Q.K^T and P.V as vdpbf16ps, which multiplies the two bfloat16
+// halves of each 32-bit lane by those of the other operand exactly and adds both products to a
+// float32 accumulator: half the multiply-adds of float32 FMAs, and K/V are read as stored. The
+// probabilities are rounded to bfloat16 for P.V, as transformers' eager attention does in
+// bfloat16; the scores, the softmax and the output stay float32.
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+template <typename T>
+constexpr bool kBf16Dot = kHasBf16Dot && std::is_same_v<T, BF16>;
+using Pair = uint32_t;  // two bfloat16 values in one lane: the operand unit of vdpbf16ps
+
 // Keys are scored kKeysPerStep at a time: buffers hold n keys rounded up, the extra ones zero.
 inline int64_t padded_keys(int64_t n) { return (n + kKeysPerStep - 1) / kKeysPerStep * kKeysPerStep; }
 
 struct Scratch {
+  // float32 path
   std::vector<float> qt;  // [head_dim, kMaxRows]: the tile's scaled queries, rows in lanes
   std::vector<float> k, v;  // [keys, head_dim] float32 copies of the request's K/V
-  std::vector<float> p;  // [keys, kMaxRows]: scores, then probabilities
+  // bfloat16 path
+  std::vector<Pair> qt2;  // [head_dim / 2, kMaxRows]: query element pairs, rows in lanes
+  std::vector<BF16> kb;  // [keys, head_dim]: the request's keys, contiguous
+  std::vector<Pair> v2;  // [keys / 2, head_dim]: values of keys 2i and 2i + 1 paired
+  std::vector<Pair> p2;  // [keys / 2, kMaxRows]: probabilities of keys 2i and 2i + 1 paired
+  // both
+  std::vector<float> p;  // [keys, kMaxRows]: scores, then (float32 path) probabilities
   std::vector<float> ot;  // [head_dim, kMaxRows]: the output, rows in lanes
+
+  template <typename T, int D>
+  void reserve(int64_t keys_pad) {
+    if constexpr (kBf16Dot<T>) {
+      qt2.resize(D / 2 * kMaxRows);
+      kb.resize(keys_pad * D);
+      v2.resize(keys_pad / 2 * D);
+      p2.resize(keys_pad / 2 * kMaxRows);
+    } else {
+      qt.resize(D * kMaxRows);
+      k.resize(keys_pad * D);
+      v.resize(keys_pad * D);
+    }
+    p.resize(keys_pad * kMaxRows);
+    ot.resize(D * kMaxRows);
+  }
 };
 
 struct Tile {
   int64_t req, kv_head, first_token, num_tokens;
+};
+
+// Row t of one KV head's cache (t < n), or a row of zeros for the padding keys.
+template <typename T, int D>
+struct CacheRows {
+  const T* cache;
+  const int32_t* block_ids;
+  int64_t block_size, n;
+  const T* operator()(int64_t t) const {
+    static const T zeros[D] = {};
+    return t < n ? cache + (block_ids[t / block_size] * block_size + t % block_size) * D : zeros;
+  }
 };
 
 // n values (a multiple of minivllm::kPair) of T as float32.
@@ -60,39 +116,99 @@ inline void copy_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
-// Keys or values of positions [0, n) of one KV head, from the blocks in block_ids, as float32
-// rows [n, D]; rows up to n_pad are zero.
+// Keys or values of positions [0, n_pad) as float32 rows [n_pad, D], padding rows zero.
 template <typename T, int D>
-void gather_floats(const T* cache, const int32_t* block_ids, int64_t block_size, int64_t n,
-                   int64_t n_pad, float* dst) {
-  for (int64_t t = 0; t < n; t += block_size) {
-    const int64_t count = std::min(block_size, n - t);
-    copy_floats(cache + block_ids[t / block_size] * block_size * D, dst + t * D, count * D);
-  }
-  std::fill(dst + n * D, dst + n_pad * D, 0.f);
+void gather_floats(const CacheRows<T, D>& rows, int64_t n_pad, float* dst) {
+  for (int64_t t = 0; t < n_pad; ++t) copy_floats(rows(t), dst + t * D, D);
 }
 
-template <typename T, int D, int NRV>
-void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int heads,
-                 int64_t num_tokens, int64_t first_pos, const float* kf, const float* vf,
-                 int64_t num_keys, float scale, T* out, int64_t out_tok_stride,
-                 int64_t out_head_stride, Scratch& s) {
-  constexpr int RP = NRV * kLanes;
-  const int64_t rows = num_tokens * heads;
-  const int64_t keys_pad = padded_keys(num_keys);
-  float* qt = s.qt.data();
-  float* p = s.p.data();
-  float* ot = s.ot.data();
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+inline __m512i widen_low(__m256i halves) { return _mm512_cvtepu16_epi32(halves); }
 
-  // Row r is token r / heads, query head r % heads; lanes past the tile's rows hold zeros.
+// Lane i of the result: (a[i], b[i]) for 16 bfloat16 values of each.
+inline __m512i pair_up(const BF16* a, const BF16* b) {
+  const __m512i lo = widen_low(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m512i hi = widen_low(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// Lane i: (a[i], b[i]) rounded to bfloat16 (nearest even).
+inline __m512i round_pair_up(const Vec& a, const Vec& b) {
+  const __m512i lo = widen_low(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(a)));
+  const __m512i hi = widen_low(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(b)));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// p[t][r] = scale * q_r . k_t for the tile's rows (in lanes), keys from contiguous rows kb.
+template <int D, int NRV>
+void scores_bf16(const BF16* q, int64_t q_tok_stride, int64_t q_head_stride, int heads,
+                 int64_t rows, const BF16* kb, int64_t keys_pad, float scale, Scratch& s) {
+  constexpr int RP = NRV * kLanes;
+  Pair* qt2 = s.qt2.data();
+  std::fill(qt2, qt2 + D / 2 * RP, Pair{0});
+  for (int64_t r = 0; r < rows; ++r) {
+    const BF16* row = q + (r / heads) * q_tok_stride + (r % heads) * q_head_stride;
+    for (int j = 0; j < D / 2; ++j) std::memcpy(qt2 + j * RP + r, row + 2 * j, sizeof(Pair));
+  }
+  const Vec vscale(scale);
+  const Pair* k2 = reinterpret_cast<const Pair*>(kb);
+  for (int64_t t0 = 0; t0 < keys_pad; t0 += kKeysPerStep) {
+    __m512 acc[kKeysPerStep][NRV];
+    for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_)
+      for (int v = 0; v < NRV; ++v) acc[kb_][v] = _mm512_setzero_ps();
+    for (int j = 0; j < D / 2; ++j) {
+      __m512i qv[NRV];
+      for (int v = 0; v < NRV; ++v) qv[v] = _mm512_loadu_si512(qt2 + j * RP + v * kLanes);
+      for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_) {
+        const __m512i kv = _mm512_set1_epi32(static_cast<int>(k2[(t0 + kb_) * (D / 2) + j]));
+        for (int v = 0; v < NRV; ++v) acc[kb_][v] = dot_pairs(acc[kb_][v], qv[v], kv);
+      }
+    }
+    for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_)
+      for (int v = 0; v < NRV; ++v) (Vec(acc[kb_][v]) * vscale).store(s.p.data() + (t0 + kb_) * RP + v * kLanes);
+  }
+}
+
+// ot[d][r] = sum_t p[t][r] * v_t[d] from the paired probabilities and values.
+template <int D, int NRV>
+void values_bf16(int64_t keys_pad, const Vec* inv, Scratch& s) {
+  constexpr int RP = NRV * kLanes;
+  const Pair* p2 = s.p2.data();
+  const Pair* v2 = s.v2.data();
+  for (int d0 = 0; d0 < D; d0 += kDimsPerStep) {
+    __m512 acc[kDimsPerStep][NRV];
+    for (int db = 0; db < kDimsPerStep; ++db)
+      for (int v = 0; v < NRV; ++v) acc[db][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < keys_pad / 2; ++i) {
+      __m512i pv[NRV];
+      for (int v = 0; v < NRV; ++v) pv[v] = _mm512_loadu_si512(p2 + i * RP + v * kLanes);
+      for (int db = 0; db < kDimsPerStep; ++db) {
+        const __m512i vv = _mm512_set1_epi32(static_cast<int>(v2[i * D + d0 + db]));
+        for (int v = 0; v < NRV; ++v) acc[db][v] = dot_pairs(acc[db][v], pv[v], vv);
+      }
+    }
+    for (int db = 0; db < kDimsPerStep; ++db)
+      for (int v = 0; v < NRV; ++v) (Vec(acc[db][v]) * inv[v]).store(s.ot.data() + (d0 + db) * RP + v * kLanes);
+  }
+}
+#endif
+
+// p[t][r] = q_r . k_t (q scaled first), kKeysPerStep keys x NRV row vectors per register block.
+template <typename T, int D, int NRV>
+void scores_f32(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int heads, int64_t rows,
+                const float* kf, int64_t keys_pad, float scale, Scratch& s) {
+  constexpr int RP = NRV * kLanes;
+  float* qt = s.qt.data();
   std::fill(qt, qt + D * RP, 0.f);
   float row[D];
   for (int64_t r = 0; r < rows; ++r) {
     copy_floats(q + (r / heads) * q_tok_stride + (r % heads) * q_head_stride, row, D);
     for (int d = 0; d < D; ++d) qt[d * RP + r] = row[d] * scale;
   }
-
-  // Scores: p[t][r] = q_r . k_t, kKeysPerStep keys x NRV row vectors per register block.
   for (int64_t t0 = 0; t0 < keys_pad; t0 += kKeysPerStep) {
     Vec acc[kKeysPerStep][NRV];
     for (int kb = 0; kb < kKeysPerStep; ++kb)
@@ -107,7 +223,54 @@ void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int he
       }
     }
     for (int kb = 0; kb < kKeysPerStep; ++kb)
-      for (int v = 0; v < NRV; ++v) acc[kb][v].store(p + (t0 + kb) * RP + v * kLanes);
+      for (int v = 0; v < NRV; ++v) acc[kb][v].store(s.p.data() + (t0 + kb) * RP + v * kLanes);
+  }
+}
+
+// ot[d][r] = sum_t p[t][r] * v_t[d], kDimsPerStep dims x NRV row vectors per register block.
+template <int D, int NRV>
+void values_f32(const float* vf, int64_t keys_pad, const Vec* inv, Scratch& s) {
+  constexpr int RP = NRV * kLanes;
+  const float* p = s.p.data();
+  for (int d0 = 0; d0 < D; d0 += kDimsPerStep) {
+    Vec acc[kDimsPerStep][NRV];
+    for (int db = 0; db < kDimsPerStep; ++db)
+      for (int v = 0; v < NRV; ++v) acc[db][v] = Vec(0.f);
+    for (int64_t t = 0; t < keys_pad; ++t) {
+      Vec pv[NRV];
+      for (int v = 0; v < NRV; ++v) pv[v] = Vec::loadu(p + t * RP + v * kLanes);
+      for (int db = 0; db < kDimsPerStep; ++db) {
+        const Vec vv(vf[t * D + d0 + db]);
+        for (int v = 0; v < NRV; ++v) acc[db][v] = at::vec::fmadd(pv[v], vv, acc[db][v]);
+      }
+    }
+    for (int db = 0; db < kDimsPerStep; ++db)
+      for (int v = 0; v < NRV; ++v) (acc[db][v] * inv[v]).store(s.ot.data() + (d0 + db) * RP + v * kLanes);
+  }
+}
+
+// One tile: rows (tokens x the query heads of one KV head) of one request against its keys
+// [0, num_keys) from the cache, written to out.
+template <typename T, int D, int NRV>
+void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int heads,
+                 int64_t num_tokens, int64_t first_pos, const CacheRows<T, D>& keys,
+                 const CacheRows<T, D>& values, float scale, T* out, int64_t out_tok_stride,
+                 int64_t out_head_stride, Scratch& s) {
+  constexpr int RP = NRV * kLanes;
+  const int64_t rows = num_tokens * heads;
+  const int64_t num_keys = keys.n;
+  const int64_t keys_pad = padded_keys(num_keys);
+  float* p = s.p.data();
+
+  // Scores. Row r is token r / heads, query head r % heads; lanes past the tile's rows are zero.
+  if constexpr (kBf16Dot<T>) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    for (int64_t t = 0; t < keys_pad; ++t) std::memcpy(s.kb.data() + t * D, keys(t), D * sizeof(T));
+    scores_bf16<D, NRV>(q, q_tok_stride, q_head_stride, heads, rows, s.kb.data(), keys_pad, scale, s);
+#endif
+  } else {
+    gather_floats(keys, keys_pad, s.k.data());
+    scores_f32<T, D, NRV>(q, q_tok_stride, q_head_stride, heads, rows, s.k.data(), keys_pad, scale, s);
   }
 
   // Causal mask: row r (position first_pos + r / heads) sees keys up to its own position; the
@@ -136,36 +299,40 @@ void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int he
   }
   for (int64_t t = 0; t < num_keys; ++t)
     for (int v = 0; v < NRV; ++v) mx[v] = at::vec::maximum(mx[v], Vec::loadu(p + t * RP + v * kLanes));
-  for (int64_t t = 0; t < keys_pad; ++t)
+  for (int64_t t = 0; t < keys_pad; t += 2)
     for (int v = 0; v < NRV; ++v) {
       float* pt = p + t * RP + v * kLanes;
-      const Vec e = (Vec::loadu(pt) - mx[v]).exp_u20();
-      e.store(pt);
-      sum[v] = sum[v] + e;
+      const Vec e0 = (Vec::loadu(pt) - mx[v]).exp_u20();
+      const Vec e1 = (Vec::loadu(pt + RP) - mx[v]).exp_u20();
+      sum[v] = sum[v] + e0 + e1;
+      if constexpr (kBf16Dot<T>) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+        _mm512_storeu_si512(s.p2.data() + t / 2 * RP + v * kLanes, round_pair_up(e0, e1));
+#endif
+      } else {
+        e0.store(pt);
+        e1.store(pt + RP);
+      }
     }
   Vec inv[NRV];
   for (int v = 0; v < NRV; ++v) inv[v] = Vec(1.f) / sum[v];
 
-  // Output: ot[d][r] = sum_t p[t][r] * v_t[d], kDimsPerStep dims x NRV row vectors per block.
-  for (int d0 = 0; d0 < D; d0 += kDimsPerStep) {
-    Vec acc[kDimsPerStep][NRV];
-    for (int db = 0; db < kDimsPerStep; ++db)
-      for (int v = 0; v < NRV; ++v) acc[db][v] = Vec(0.f);
-    for (int64_t t = 0; t < keys_pad; ++t) {
-      Vec pv[NRV];
-      for (int v = 0; v < NRV; ++v) pv[v] = Vec::loadu(p + t * RP + v * kLanes);
-      for (int db = 0; db < kDimsPerStep; ++db) {
-        const Vec vv(vf[t * D + d0 + db]);
-        for (int v = 0; v < NRV; ++v) acc[db][v] = at::vec::fmadd(pv[v], vv, acc[db][v]);
-      }
-    }
-    for (int db = 0; db < kDimsPerStep; ++db)
-      for (int v = 0; v < NRV; ++v) (acc[db][v] * inv[v]).store(ot + (d0 + db) * RP + v * kLanes);
+  // Output.
+  if constexpr (kBf16Dot<T>) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    for (int64_t t = 0; t < keys_pad; t += 2)
+      for (int d = 0; d < D; d += kLanes)
+        _mm512_storeu_si512(s.v2.data() + t / 2 * D + d, pair_up(values(t) + d, values(t + 1) + d));
+    values_bf16<D, NRV>(keys_pad, inv, s);
+#endif
+  } else {
+    gather_floats(values, keys_pad, s.v.data());
+    values_f32<D, NRV>(s.v.data(), keys_pad, inv, s);
   }
-
+  float row[D];
   for (int64_t r = 0; r < rows; ++r) {
     Vec o[D / kLanes];
-    for (int d = 0; d < D; ++d) row[d] = ot[d * RP + r];
+    for (int d = 0; d < D; ++d) row[d] = s.ot[d * RP + r];
     for (int j = 0; j < D / kLanes; ++j) o[j] = Vec::loadu(row + j * kLanes);
     minivllm::store_floats(o, out + (r / heads) * out_tok_stride + (r % heads) * out_head_stride, D);
   }
@@ -206,19 +373,14 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tiles), 1, [&](int64_t, int64_t) {
     Scratch s;
-    s.qt.resize(D * kMaxRows);
-    s.ot.resize(D * kMaxRows);
-    s.k.resize(keys_pad * D);
-    s.v.resize(keys_pad * D);
-    s.p.resize(keys_pad * kMaxRows);
+    s.reserve<T, D>(keys_pad);
     for (int64_t i = next++; i < num_tiles; i = next++) {
       const Tile& tile = tiles[i];
       const int64_t num_keys = keys_seen(tile);
       const int64_t first_pos = lens[tile.req] - qlens[tile.req] + tile.first_token;
       const int32_t* block_ids = tables + tile.req * block_tables.stride(0);
-      const int64_t pad = padded_keys(num_keys);
-      gather_floats<T, D>(key_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys, pad, s.k.data());
-      gather_floats<T, D>(value_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys, pad, s.v.data());
+      const CacheRows<T, D> keys{key_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys};
+      const CacheRows<T, D> values{value_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys};
       const int64_t token = starts[tile.req] + tile.first_token;
       const T* q = query.data_ptr<T>() + token * query.stride(0) + tile.kv_head * heads * query.stride(1);
       T* o = out.data_ptr<T>() + token * out.stride(0) + tile.kv_head * heads * out.stride(1);
@@ -229,8 +391,8 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         case 2: attend = attend_tile<T, D, 2>; break;
         case 3: attend = attend_tile<T, D, 3>; break;
       }
-      attend(q, query.stride(0), query.stride(1), heads, tile.num_tokens, first_pos, s.k.data(),
-             s.v.data(), num_keys, static_cast<float>(scale), o, out.stride(0), out.stride(1), s);
+      attend(q, query.stride(0), query.stride(1), heads, tile.num_tokens, first_pos, keys, values,
+             static_cast<float>(scale), o, out.stride(0), out.stride(1), s);
     }
   });
 }

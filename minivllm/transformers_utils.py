@@ -43,6 +43,20 @@ def get_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
 
 
+def import_config_classes() -> None:
+    """Import transformers' config classes for the supported architectures.
+
+    For a process about to unpickle a config: the first config class costs ~2 s to import (the
+    rest of transformers it pulls in), the others almost nothing.
+    """
+    import transformers
+
+    from minivllm.model.registry import supported_architectures
+
+    for arch in supported_architectures():
+        getattr(transformers, arch.replace("ForCausalLM", "Config"))
+
+
 def get_tokenizer(tokenizer_path: str) -> Any:
     if tokenizer_path.endswith(".gguf"):
         from minivllm.model.gguf_loader import load_gguf_tokenizer

@@ -354,9 +354,11 @@ def start_engine_interpreter() -> subprocess.Popen[bytes]:
 
 
 def discard_engine_interpreter(process: subprocess.Popen[bytes]) -> None:
-    """An interpreter started for a config that never came: closing its stdin ends it."""
+    """An interpreter started for a config that never came. It holds nothing yet (no sockets,
+    no model), so it is stopped at once instead of being left to finish its imports."""
     assert process.stdin is not None
     process.stdin.close()
+    process.terminate()
     _stop_process(process)
 
 

@@ -212,7 +212,10 @@ def test_in_thread_engine_for_debugging(model, monkeypatch):
 def test_no_orphan_when_the_front_end_goes(model, how):
     """Ctrl-C in the user's script shuts the engine down; a killed front end's engine exits too."""
     script = textwrap.dedent(f"""
-        import time
+        import signal, time
+        # Ctrl-C as in a terminal, even when the suite runs with SIGINT ignored (a shell's
+        # background job inherits that, and so would this script).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from minivllm import LLM
         llm = LLM({model!r}, dtype="float32")
         resources = llm.llm_engine.engine_core.resources

@@ -143,6 +143,24 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 
+// acc[c][v] = sum_i a_i[v] . b_i[c] for B columns and NRV row vectors held in registers: a_i is
+// row vector v of pairs at a + i * RP, b_i[c] one pair at b + c * col_stride + i * step, broadcast.
+template <int B, int NRV>
+inline void dot_pairs_block(const Pair* a, const Pair* b, int64_t col_stride, int64_t step,
+                            int64_t n, __m512 (&acc)[B][NRV]) {
+  constexpr int RP = NRV * kLanes;
+  for (int c = 0; c < B; ++c)
+    for (int v = 0; v < NRV; ++v) acc[c][v] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512i av[NRV];
+    for (int v = 0; v < NRV; ++v) av[v] = _mm512_loadu_si512(a + i * RP + v * kLanes);
+    for (int c = 0; c < B; ++c) {
+      const __m512i bv = _mm512_set1_epi32(static_cast<int>(b[c * col_stride + i * step]));
+      for (int v = 0; v < NRV; ++v) acc[c][v] = dot_pairs(acc[c][v], av[v], bv);
+    }
+  }
+}
+
 // p[t][r] = scale * q_r . k_t for the tile's rows (in lanes), keys from contiguous rows kb.
 template <int D, int NRV>
 void scores_bf16(const BF16* q, int64_t q_tok_stride, int64_t q_head_stride, int heads,
@@ -158,16 +176,7 @@ void scores_bf16(const BF16* q, int64_t q_tok_stride, int64_t q_head_stride, int
   const Pair* k2 = reinterpret_cast<const Pair*>(kb);
   for (int64_t t0 = 0; t0 < keys_pad; t0 += kKeysPerStep) {
     __m512 acc[kKeysPerStep][NRV];
-    for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_)
-      for (int v = 0; v < NRV; ++v) acc[kb_][v] = _mm512_setzero_ps();
-    for (int j = 0; j < D / 2; ++j) {
-      __m512i qv[NRV];
-      for (int v = 0; v < NRV; ++v) qv[v] = _mm512_loadu_si512(qt2 + j * RP + v * kLanes);
-      for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_) {
-        const __m512i kv = _mm512_set1_epi32(static_cast<int>(k2[(t0 + kb_) * (D / 2) + j]));
-        for (int v = 0; v < NRV; ++v) acc[kb_][v] = dot_pairs(acc[kb_][v], qv[v], kv);
-      }
-    }
+    dot_pairs_block(qt2, k2 + t0 * (D / 2), D / 2, 1, D / 2, acc);
     for (int kb_ = 0; kb_ < kKeysPerStep; ++kb_)
       for (int v = 0; v < NRV; ++v) (Vec(acc[kb_][v]) * vscale).store(s.p.data() + (t0 + kb_) * RP + v * kLanes);
   }
@@ -177,20 +186,9 @@ void scores_bf16(const BF16* q, int64_t q_tok_stride, int64_t q_head_stride, int
 template <int D, int NRV>
 void values_bf16(int64_t keys_pad, const Vec* inv, Scratch& s) {
   constexpr int RP = NRV * kLanes;
-  const Pair* p2 = s.p2.data();
-  const Pair* v2 = s.v2.data();
   for (int d0 = 0; d0 < D; d0 += kDimsPerStep) {
     __m512 acc[kDimsPerStep][NRV];
-    for (int db = 0; db < kDimsPerStep; ++db)
-      for (int v = 0; v < NRV; ++v) acc[db][v] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < keys_pad / 2; ++i) {
-      __m512i pv[NRV];
-      for (int v = 0; v < NRV; ++v) pv[v] = _mm512_loadu_si512(p2 + i * RP + v * kLanes);
-      for (int db = 0; db < kDimsPerStep; ++db) {
-        const __m512i vv = _mm512_set1_epi32(static_cast<int>(v2[i * D + d0 + db]));
-        for (int v = 0; v < NRV; ++v) acc[db][v] = dot_pairs(acc[db][v], pv[v], vv);
-      }
-    }
+    dot_pairs_block(s.p2.data(), s.v2.data() + d0, 1, D, keys_pad / 2, acc);
     for (int db = 0; db < kDimsPerStep; ++db)
       for (int v = 0; v < NRV; ++v) (Vec(acc[db][v]) * inv[v]).store(s.ot.data() + (d0 + db) * RP + v * kLanes);
   }

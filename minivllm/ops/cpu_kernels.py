@@ -2,7 +2,8 @@
 
 paged_attention.cpp: decode attention through block tables and the K/V cache write;
 layernorm.cpp: RMSNorm with the residual add; activation.cpp: SiLU-and-mul; pos_encoding.cpp:
-rotary embedding in place; q8_0_linear.cpp: x @ W^T from GGUF Q8_0 codes for a few rows. Each
+rotary embedding in place; q8_0_linear.cpp and q4_1_linear.cpp: x @ W^T from GGUF Q8_0 / Q4_1
+codes for a few rows (q4_1_linear only where the CPU has AVX512-BF16). Each
 matches the torch reference path's roundings, or computes more exactly (see its header).
 
 The kernels are compiled once per machine, with -march=native, by `python -m

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import envs
-from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Weight
+from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Tiles, Q4_1Weight, pack_q4_1
 
 
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,18 +61,18 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.int4: Int4Weight | None = None
+        self.int4: Q4_1Tiles | Int4Weight | None = None
         self._q4_1_shards: dict[object, Q4_1Weight] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
     def load_q4_1(self, weight: Q4_1Weight, shard_id: object = None) -> None:
-        """Keep one Q4_1 shard; once every shard of the matrix is in, pack them for the int4 kernel."""
+        """Keep one Q4_1 shard; once every shard of the matrix is in, pack them for a Q4_1 kernel."""
         self._q4_1_shards[shard_id] = weight
         order = [None] if shard_id is None else list(self.shard_offsets)  # shards: MergedLinear only
         if all(s in self._q4_1_shards for s in order):
-            self.int4 = Int4Weight.from_q4_1([self._q4_1_shards[s] for s in order])
+            self.int4 = pack_q4_1([self._q4_1_shards[s] for s in order])
             self._q4_1_shards = {}
 
     def process_weights_after_loading(self) -> None:

@@ -1,14 +1,17 @@
 """Quantized GGUF weights kept as stored, for small batches on CPU.
 
-Q4_1 layers run torch's packed int4 CPU kernel; a Q8_0 lm_head runs minivllm's q8_0_linear
-(ops/csrc/q8_0_linear.cpp) on its exact int8 codes and scales.
+Q4_1 layers run minivllm's q4_1_linear (ops/csrc/q4_1_linear.cpp) on CPUs with AVX512-BF16, torch's
+packed int4 kernel elsewhere; a Q8_0 lm_head runs minivllm's q8_0_linear (ops/csrc/q8_0_linear.cpp)
+on its exact int8 codes and scales.
 
 A decode step of a small model on a CPU is bound by memory bandwidth: every weight is read once
 per step for a handful of rows. Read as 4-bit codes with a scale and offset per 32 weights, the
 same layer moves a quarter of the bytes of bfloat16. Q4_1 (w = scale * q + min, q in [0, 16)) maps
 exactly onto the kernel's groups of 32 (w = (q - 8) * scale + zero, so zero = min + 8 * scale);
 scale and zero are rounded to bfloat16, which the kernel requires: the weights it sees differ
-from the bfloat16-rounded dequantized ones by at most a bfloat16 rounding step.
+from the bfloat16-rounded dequantized ones by at most a bfloat16 rounding step. minivllm's kernel
+uses the file's scales and mins as they are, and reads the 30 layers of SmolLM2 1.5x faster at one
+row, 1.7x at 4-8 (docs/PERFORMANCE.md, round 5).
 Like vLLM's GGUF layers (a GEMV kernel for few rows, dequantize-and-matmul for many), larger
 batches keep using the dequantized bfloat16 matrix, where the int4 kernel is slower.
 """
@@ -25,6 +28,7 @@ Q4_1_GROUP = 32
 # Against the oneDNN-packed bfloat16 weights (linear.py), decoding SmolLM2 with 4 sequences takes
 # 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36.
 INT4_MAX_ROWS = 8
+Q4_1_TILE = 16  # rows per tile of q4_1_linear's layout
 
 
 @dataclass
@@ -56,7 +60,49 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, Q4_1_GROUP, self.scales_and_zeros)
 
 
+@dataclass
+class Q4_1Tiles:
+    """Q4_1 codes, scales and mins in q4_1_linear's layout (see its header): per tile of 16 rows
+    and block of 32 columns, 256 bytes of codes, then 16 float16 scales and 16 mins."""
+
+    weight: torch.Tensor  # [N / 16, K / 32, 320] uint8
+
+    @classmethod
+    def from_q4_1(cls, shards: list[Q4_1Weight]) -> Q4_1Tiles:
+        """Pack shards stacked along the output rows (each tile's rows must come from one shard
+        or several; tiles only need N to be a multiple of 16)."""
+        q = torch.cat([s.q for s in shards])
+        n, k = q.shape
+        tiles, blocks = n // Q4_1_TILE, k // Q4_1_GROUP
+        # Column 32b + 8u + 2s + e of row 16t + j is nibble s of the 16-bit word (t, b, u, j, e):
+        # split s into (byte of the word, nibble of the byte).
+        nibbles = q.view(tiles, Q4_1_TILE, blocks, 4, 2, 2, 2).permute(0, 2, 3, 1, 6, 4, 5)
+        codes = (nibbles[..., 0] | (nibbles[..., 1] << 4)).to(torch.uint8).reshape(tiles, blocks, -1)
+        # The file's float16 scale and min (held as float32, so the cast back is exact).
+        scale_min = torch.stack([torch.cat([s.scale for s in shards]), torch.cat([s.min for s in shards])])
+        scale_min = scale_min.half().view(2, tiles, Q4_1_TILE, blocks).permute(1, 3, 0, 2).contiguous()
+        return cls(torch.cat([codes, scale_min.view(torch.uint8).reshape(tiles, blocks, -1)], dim=-1))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M <= INT4_MAX_ROWS, K] bfloat16 -> x @ W^T [M, N] bfloat16."""
+        return torch.ops.minivllm_cpu.q4_1_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight)
+
+
+def pack_q4_1(shards: list[Q4_1Weight]) -> Q4_1Tiles | Int4Weight | None:
+    """Codes for whichever kernel runs here: minivllm's where it is built (AVX512-BF16), torch's
+    int4 kernel otherwise; None where the rows do not tile by 16 (both kernels need that), and
+    the layer keeps its dequantized weight only."""
+    from minivllm.ops import cpu_kernels
+
+    if sum(s.q.shape[0] for s in shards) % Q4_1_TILE:
+        return None
+    if cpu_kernels.enabled() and hasattr(torch.ops.minivllm_cpu, "q4_1_linear"):
+        return Q4_1Tiles.from_q4_1(shards)
+    return Int4Weight.from_q4_1(shards)
+
+
 def int4_kernel_available() -> bool:
+    """Whether a Q4_1 layer can run from its codes: torch's int4 kernel, the fallback, exists."""
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 

@@ -2,8 +2,9 @@
 
 Per step: apply the scheduler's diff to the persistent InputBatch, build the flat inputs
 (token ids, positions, slot mapping) with vectorised numpy over the batch rows, run the model
-over all scheduled tokens at once, compute logits only at the positions that are sampled, sample,
-and copy the sampled ids to the host once.
+over all scheduled tokens at once (decode-only steps of a few requests replayed from traces on
+CPU, see decode_graphs.py), compute logits only at the positions that are sampled, sample, and
+copy the sampled ids to the host once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from minivllm.core.kv_cache_manager import cdiv
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.model.loader import get_model
 from minivllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
+from minivllm.worker.decode_graphs import DecodeGraphs
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
@@ -37,6 +39,9 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device, self.dtype, self.model_config.get_head_size())
         self.sampler = Sampler()
         self.model: Any = None
+        # The step's forward: the model, or on CPU the model with decode steps replayed from
+        # traces (bound with the KV caches, which the traces hold).
+        self.forward: Any = None
         self.kv_caches: list[torch.Tensor] = []
         # Every request the worker knows, including preempted ones that left the batch.
         self.requests: dict[str, CachedRequestState] = {}
@@ -70,6 +75,8 @@ class ModelRunner:
             kv_cache = _zeros(shape, self.dtype, self.device)
             attn.kv_cache = kv_cache
             self.kv_caches.append(kv_cache)
+        eager = self.model_config.enforce_eager or self.device.type != "cpu"
+        self.forward = self.model if eager else DecodeGraphs(self.model)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -92,7 +99,7 @@ class ModelRunner:
         input_ids, positions, attn_metadata, logits_rows, logits_indices, query_start_loc = (
             self._prepare_inputs(scheduler_output)
         )
-        hidden_states = self.model(input_ids, positions, attn_metadata)
+        hidden_states = self.forward(input_ids, positions, attn_metadata)
         prompt_logprobs = self._compute_prompt_logprobs(hidden_states, query_start_loc)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         logprobs = None

@@ -63,7 +63,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """Force the number of KV cache blocks (for testing preemption)."""
     enforce_eager: bool = False
-    """Run every step eagerly: on CPU, no traced decode steps (worker/decode_graphs.py)."""
+    """Run every step eagerly: on CPU, no decode steps replayed from a trace (worker/decode_graph.py)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     enable_chunked_prefill: bool = True

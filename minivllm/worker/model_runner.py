@@ -2,8 +2,8 @@
 
 Per step: apply the scheduler's diff to the persistent InputBatch, build the flat inputs
 (token ids, positions, slot mapping) with vectorised numpy over the batch rows, run the model
-over all scheduled tokens at once (decode-only steps of a few requests replayed from traces on
-CPU, see decode_graphs.py), compute logits only at the positions that are sampled, sample, and
+over all scheduled tokens at once (decode-only steps of a few requests replayed from a trace on
+CPU, see decode_graph.py), compute logits only at the positions that are sampled, sample, and
 copy the sampled ids to the host once.
 """
 
@@ -19,7 +19,7 @@ from minivllm.core.kv_cache_manager import cdiv
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.model.loader import get_model
 from minivllm.sample.sampler import LogprobsTensors, Sampler, gather_logprobs
-from minivllm.worker.decode_graphs import DecodeGraphs
+from minivllm.worker.decode_graph import DecodeGraph
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device, self.dtype, self.model_config.get_head_size())
         self.sampler = Sampler()
         self.model: Any = None
-        # The step's forward: the model, or on CPU the model with decode steps replayed from
-        # traces (bound with the KV caches, which the traces hold).
+        # The step's forward: the model, or on CPU the model with decode steps replayed from a
+        # trace (bound with the KV caches, which the trace holds).
         self.forward: Any = None
         self.kv_caches: list[torch.Tensor] = []
         # Every request the worker knows, including preempted ones that left the batch.
@@ -76,7 +76,7 @@ class ModelRunner:
             attn.kv_cache = kv_cache
             self.kv_caches.append(kv_cache)
         eager = self.model_config.enforce_eager or self.device.type != "cpu"
-        self.forward = self.model if eager else DecodeGraphs(self.model)
+        self.forward = self.model if eager else DecodeGraph(self.model)
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -1,7 +1,7 @@
 // oneDNN's linear on a weight pre-packed by mkldnn::_reorder_linear_weight (model/layers/linear.py),
 // behind a schema a TorchScript trace can record: mkldnn::_linear_pointwise itself takes a
 // Scalar?[] argument, which the tracer rejects, so decode steps through packed layers could not be
-// replayed from traces (worker/decode_graphs.py). Same op, same results.
+// replayed from a trace (worker/decode_graph.py). Same op, same results.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>

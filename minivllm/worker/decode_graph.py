@@ -1,24 +1,26 @@
-"""Decode steps replayed from traces: the CPU's counterpart of vLLM's CUDA graphs.
+"""Decode steps replayed from a trace: the CPU's counterpart of vLLM's CUDA graphs.
 
 A decode step of a small model is a few hundred small ops. Run eagerly, each costs a Python
 module call and a dispatch, ~10 us: for SmolLM2 in bfloat16 about 3 ms of a 9 ms forward at one
-request. vLLM captures the decode forward as CUDA graphs, one per batch size, and replays them.
-On CPU a TorchScript trace does the same job: the ops, in order, recorded once per batch size and
-replayed by TorchScript's C++ interpreter, with no Python between them (the 30-layer forward at
-one request: 3.0-3.7 ms against 5.2-8.7 ms eager, same results bit for bit).
+request. vLLM captures the decode forward as CUDA graphs and replays them. On CPU a TorchScript
+trace does the same job: the ops, in order, recorded once and replayed by TorchScript's C++
+interpreter, with no Python between them (the 30-layer forward at one request: 3.0-5.1 ms
+against 5.2-9.9 ms eager, same results bit for bit).
 
 A trace fixes every Python decision the forward made while it was recorded: which kernel each
-Linear picked for that many rows, that every request has one query token, which attention calls
-ran. So a trace is keyed by the number of requests and replays only steps in which every request
-decodes one token; any other step runs eagerly. The step's inputs (token ids, positions, the
-attention metadata's tensors) are the trace's arguments; weights and KV caches are constants of
-the trace, the same tensors, not copies.
+Linear picked, that every request has one query token, which attention calls ran. Those
+decisions are the same for every decode-only step of at most MAX_TRACED_ROWS requests (Linears
+take their quantized codes up to INT4_MAX_ROWS rows, so the bound is that), and the sizes
+themselves are read from the tensors when the trace replays, so one trace serves all of them.
+Any other step runs eagerly. The step's inputs (token ids, positions, the attention metadata's
+tensors) are the trace's arguments; weights and KV caches are constants of the trace, the same
+tensors, not copies.
 
-Traces are recorded on first use (the first decode step with n requests, ~0.5-1 s each, once per
-size up to MAX_TRACED_ROWS), so start-up does not pay for sizes a deployment never sees.
-`enforce_eager` turns them off. torch.jit.trace is deprecated in favour of torch.compile and
-torch.export, which replay nothing without a compile step of minutes on a small CPU; should a
-trace fail, that size stays eager.
+The trace is recorded at the first step it applies to (0.5-1 s, then ~0.5 s more over its first
+two replays while TorchScript optimizes the graph), so start-up does not pay for it.
+`enforce_eager` turns it off. torch.jit.trace is deprecated in favour of torch.compile and
+torch.export, which replay nothing without a compile step of minutes on a small CPU; should the
+trace fail, steps stay eager.
 """
 
 from __future__ import annotations
@@ -34,32 +36,33 @@ from torch import nn
 
 from minivllm.attention.cpu_paged import CpuPagedMetadata
 from minivllm.logger import init_logger
+from minivllm.model.layers.quant import INT4_MAX_ROWS
 
 logger = init_logger(__name__)
 
-# Largest batch traced. Past it the Python cost is a small part of the step (64 requests: ~3 ms
-# of ~110), and every size traced costs a trace.
-MAX_TRACED_ROWS = 8
+# Largest batch replayed from the trace: every size up to it takes the same path through the
+# model. (Past it the Python cost is a small part of the step: 64 requests, ~3 ms of ~110.)
+MAX_TRACED_ROWS = INT4_MAX_ROWS
 
 
-class DecodeGraphs:
-    """model.forward, with decode-only steps of up to MAX_TRACED_ROWS requests replayed from
-    traces."""
+class DecodeGraph:
+    """model.forward, with decode-only steps of up to MAX_TRACED_ROWS requests replayed from a
+    trace."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.graphs: dict[int, torch.jit.ScriptModule | None] = {}  # None: tracing failed
+        self.traced = False  # whether tracing was tried
+        self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        num_tokens = input_ids.shape[0]
-        if not _decode_only(attn_metadata, num_tokens):
+        if not _decode_only(attn_metadata, input_ids.shape[0]):
             return self.model(input_ids, positions, attn_metadata)
-        graph = self.graphs.get(num_tokens, False)
-        if graph is False:
-            graph = self.graphs[num_tokens] = self._trace(input_ids, positions, attn_metadata)
-        if graph is None:
+        if not self.traced:
+            self.traced = True
+            self.graph = self._trace(input_ids, positions, attn_metadata)
+        if self.graph is None:
             return self.model(input_ids, positions, attn_metadata)
-        return graph(input_ids, positions, *_tensors(attn_metadata))
+        return self.graph(input_ids, positions, *_tensors(attn_metadata))
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor,
                attn_metadata: Any) -> torch.jit.ScriptModule | None:
@@ -72,11 +75,9 @@ class DecodeGraphs:
                 graph = torch.jit.trace(_ForwardOfTensors(self.model, attn_metadata),
                                         (input_ids, positions, *_tensors(attn_metadata)), check_trace=False)
         except Exception as e:  # noqa: BLE001 - any failure leaves this size eager, never the step
-            logger.warning("Tracing the decode step for %d requests failed (%s); it runs eagerly.",
-                           input_ids.shape[0], e)
+            logger.warning("Tracing the decode step failed (%s); decode steps run eagerly.", e)
             return None
-        logger.info("Traced the decode step for %d requests in %.2f s", input_ids.shape[0],
-                    time.perf_counter() - start)
+        logger.info("Traced the decode step in %.2f s", time.perf_counter() - start)
         return graph
 
 

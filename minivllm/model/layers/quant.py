@@ -22,11 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.ops import cpu_kernels
+
 Q4_1_GROUP = 32
 # Rows up to which the int4 kernel is used. Measured on a 2-core AVX-512 CPU for a 3072x576
 # layer: 4.3x faster than the bfloat16 matmul at 1 row, 2.6x at 4, 1.4x at 8, slower from ~14.
 # Against the oneDNN-packed bfloat16 weights (linear.py), decoding SmolLM2 with 4 sequences takes
-# 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36.
+# 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36. minivllm's Q4_1
+# kernel stays ahead of the packed matrix further (30 layers: 11 vs 20 ms at 8 rows, 15 vs 20 at
+# 12 in two calls); 8 remains the one bound for both kernels, and the decode trace's.
 INT4_MAX_ROWS = 8
 Q4_1_TILE = 16  # rows per tile of q4_1_linear's layout
 
@@ -69,8 +73,8 @@ class Q4_1Tiles:
 
     @classmethod
     def from_q4_1(cls, shards: list[Q4_1Weight]) -> Q4_1Tiles:
-        """Pack shards stacked along the output rows (each tile's rows must come from one shard
-        or several; tiles only need N to be a multiple of 16)."""
+        """Pack shards stacked along the output rows; together they must have a multiple of 16
+        rows (a tile may span two shards)."""
         q = torch.cat([s.q for s in shards])
         n, k = q.shape
         tiles, blocks = n // Q4_1_TILE, k // Q4_1_GROUP
@@ -92,8 +96,6 @@ def pack_q4_1(shards: list[Q4_1Weight]) -> Q4_1Tiles | Int4Weight | None:
     """Codes for whichever kernel runs here: minivllm's where it is built (AVX512-BF16), torch's
     int4 kernel otherwise; None where the rows do not tile by 16 (both kernels need that), and
     the layer keeps its dequantized weight only."""
-    from minivllm.ops import cpu_kernels
-
     if sum(s.q.shape[0] for s in shards) % Q4_1_TILE:
         return None
     if cpu_kernels.enabled() and hasattr(torch.ops.minivllm_cpu, "q4_1_linear"):

@@ -23,14 +23,19 @@ namespace {
 using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
 
-// Asks for block `b` of a request (if it has one) ahead of use: blocks are scattered in memory,
-// so the hardware prefetcher cannot follow from one block to the next.
-template <typename T>
-inline void prefetch_block(const T* cache, const int32_t* block_ids, int64_t b, int64_t last,
-                           int64_t bytes) {
-  if (b > last) return;
-  const char* p = reinterpret_cast<const char*>(cache) + block_ids[b] * bytes;
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+// Keys and values are read from blocks scattered over the cache, where the hardware prefetcher
+// loses the thread at every block boundary; each loop asks for the row this many tokens ahead.
+// A rolling distance, not a whole block at the boundary: 32 lines at once overflow the core's
+// miss buffers (64 requests x 400 tokens x 30 layers on shuffled blocks: 92 ms per-block, 56 ms
+// rolling; 27 ms on contiguous blocks either way).
+constexpr int64_t kPrefetchTokens = 16;
+
+template <typename T, int D>
+inline void prefetch_row(const T* cache, const int32_t* block_ids, int64_t t, int64_t seq_len,
+                         int64_t block_size) {
+  if (t >= seq_len) return;
+  const char* p = reinterpret_cast<const char*>(cache + (block_ids[t / block_size] * block_size + t % block_size) * D);
+  for (int64_t off = 0; off < static_cast<int64_t>(D * sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
 // Softmax of scores[0:n] in place, in float32.
@@ -69,9 +74,8 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
     for (int j = 0; j < NV; ++j) qv[g][j] = qv[g][j] * Vec(scale);
   }
   Vec kv[NV];
-  const int64_t last_block = (seq_len - 1) / block_size;
   for (int64_t t = 0; t < seq_len; ++t) {
-    if (t % block_size == 0) prefetch_block(key_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
+    prefetch_row<T, D>(key_cache, block_ids, t + kPrefetchTokens, seq_len, block_size);
     minivllm::load_floats(key_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv, D);
     for (int g = 0; g < heads; ++g) {
       Vec acc = qv[g][0] * kv[0];
@@ -85,7 +89,7 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
   for (int g = 0; g < heads; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = Vec(0.f);
   for (int64_t t = 0; t < seq_len; ++t) {
-    if (t % block_size == 0) prefetch_block(value_cache, block_ids, t / block_size + 1, last_block, block_elems * sizeof(T));
+    prefetch_row<T, D>(value_cache, block_ids, t + kPrefetchTokens, seq_len, block_size);
     minivllm::load_floats(value_cache + block_ids[t / block_size] * block_elems + (t % block_size) * D, kv, D);
     for (int g = 0; g < heads; ++g) {
       const Vec p(scores[g * seq_len + t]);

@@ -42,7 +42,6 @@ constexpr int kMaxRowVecs = 4;  // rows per tile: 64 on AVX-512
 constexpr int kMaxRows = kMaxRowVecs * kLanes;
 constexpr int kKeysPerStep = 4;  // keys per register block of Q.K^T
 constexpr int kDimsPerStep = 4;  // head dims per register block of P.V (float32)
-constexpr int kRowsPerStep = 4;  // query rows per register block of P.V (bfloat16)
 
 // bfloat16 with AVX512-BF16: Q.K^T and P.V as vdpbf16ps, which multiplies the two bfloat16
 // halves of each 32-bit lane by those of the other operand exactly and adds both products to a
@@ -230,6 +229,7 @@ void values_bf16(int64_t keys_pad, const float* inv, int64_t rows, int heads, T*
                  int64_t out_tok_stride, int64_t out_head_stride, Scratch& s) {
   constexpr int RP = NRV * kLanes;
   constexpr int DV = D / kLanes;
+  constexpr int kRowsPerStep = 16 / DV;  // 16 accumulators, as the other register blocks
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerStep) {
     __m512 acc[kRowsPerStep][DV];
     dot_pairs_block(s.v2.data(), s.p2.data() + r0, 1, RP, keys_pad / 2, acc);

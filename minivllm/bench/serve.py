@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import time
@@ -209,3 +210,8 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
                  for stat in ("mean", "median", "std", "p90", "p99")]
     for label, value in rows:
         print(f"{label:<40}{value:>15}")
+    # A failed request is only worth a count if the reader can see why it failed.
+    if r["errors"]:
+        print(f"Errors of the first {len(r['errors'])} failed requests:")
+        for error, count in collections.Counter(r["errors"]).most_common():
+            print(f"  {count} x {error}")

@@ -228,6 +228,7 @@ def test_serve_counts_failures_when_server_dies(model, tmp_path):
     assert rc == 0, printed[-3000:]
     assert "Traceback" not in printed
     assert "Failed requests" in printed
+    assert "Errors of the first" in printed
     result = json.loads(out.read_text())
     assert result["failed"] > 0
     assert result["completed"] + result["failed"] == 40

@@ -234,6 +234,7 @@ def test_serve_counts_failures_when_server_dies(model, tmp_path):
     assert result["completed"] + result["failed"] == 40
     assert len(result["errors"]) == min(result["failed"], 20)
     assert all(result["errors"])
+    assert f"x {result['errors'][0]}" in printed
     # Completed requests are whole: 200 tokens each.
     assert result["total_output_tokens"] == 200 * result["completed"]
 

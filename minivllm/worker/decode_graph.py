@@ -54,9 +54,10 @@ class DecodeGraph:
         self.traced = False  # whether tracing was tried
         self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        if not _decode_only(attn_metadata, input_ids.shape[0]):
-            return self.model(input_ids, positions, attn_metadata)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        if logits_indices is not None or not _decode_only(attn_metadata, input_ids.shape[0]):
+            return self.model(input_ids, positions, attn_metadata, logits_indices)
         if not self.traced:
             self.traced = True
             self.graph = self._trace(input_ids, positions, attn_metadata)

@@ -99,12 +99,15 @@ class ModelRunner:
         input_ids, positions, attn_metadata, logits_rows, logits_indices, query_start_loc = (
             self._prepare_inputs(scheduler_output)
         )
-        hidden_states = self.forward(input_ids, positions, attn_metadata)
+        # Only the sampled rows go through the last layer's o_proj and MLP, unless every row
+        # is sampled (decodes) or prompt logprobs need every row's final state.
+        pruned = len(logits_rows) < len(input_ids) and not self._any_prompt_logprobs()
+        hidden_states = self.forward(input_ids, positions, attn_metadata, logits_indices if pruned else None)
         prompt_logprobs = self._compute_prompt_logprobs(hidden_states, query_start_loc)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         logprobs = None
         if len(logits_rows):
-            logits = self.model.compute_logits(hidden_states[logits_indices])
+            logits = self.model.compute_logits(hidden_states if pruned else hidden_states[logits_indices])
             sampler_output = self.sampler(logits, batch.sampling.make_metadata(logits_rows))
             batch.sampling.record_sampled(logits_rows, sampler_output.sampled_token_ids)
             # NOTE: the step's one device-to-host copy.
@@ -121,6 +124,10 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _any_prompt_logprobs(self) -> bool:
+        """Whether a request in the batch asked for prompt logprobs."""
+        return bool((self.input_batch.sampling.num_prompt_logprobs[: self.input_batch.num_reqs] >= 0).any())
 
     def _compute_prompt_logprobs(
         self, hidden_states: torch.Tensor, query_start_loc: np.ndarray

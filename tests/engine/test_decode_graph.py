@@ -32,10 +32,10 @@ def _generate(llm: LLM) -> list:
     runner = _runner(llm)
     forward = runner.forward
 
-    def counting(input_ids, positions, attn_metadata):
+    def counting(input_ids, positions, attn_metadata, logits_indices=None):
         if decode_graph._decode_only(attn_metadata, input_ids.shape[0]):
             sizes.append(input_ids.shape[0])
-        return forward(input_ids, positions, attn_metadata)
+        return forward(input_ids, positions, attn_metadata, logits_indices)
 
     runner.forward = counting
     gen = torch.Generator().manual_seed(0)
@@ -97,7 +97,7 @@ def _metadata(num_decodes: int, num_prefills: int) -> CpuPagedMetadata:
 def test_only_small_decode_only_steps_are_traced():
     calls = []
 
-    def model(input_ids, positions, attn_metadata):
+    def model(input_ids, positions, attn_metadata, logits_indices=None):
         calls.append(input_ids.shape[0])
         return input_ids
 

@@ -21,11 +21,12 @@ def kernels():
     assert cpu_kernels.load()
 
 
-SHAPES = [  # (heads, kv_heads, head_dim): SmolLM2, Llama-3-8B-like, MHA, MQA
+SHAPES = [  # (heads, kv_heads, head_dim): SmolLM2, Llama-3-8B-like, MHA, MQA, Qwen2.5-1.5B-like
     (9, 3, 64),
     (32, 8, 128),
     (4, 4, 64),
     (8, 1, 128),
+    (12, 2, 128),  # 6 query heads per KV head: the kernels' path for a grouping not built in
 ]
 
 

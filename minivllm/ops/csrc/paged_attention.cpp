@@ -18,34 +18,59 @@
 
 #include "vec_utils.h"
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
 
-// Calls f(t, row) for each cached token t < seq_len of one KV head, row pointing at its
-// head_dim values, walking the block table block by block (no division per token). Blocks lie
-// scattered over the cache, where the hardware prefetcher loses the stream at every block
-// boundary, so each row asks for the same row of the next block: a rolling distance of one
-// block. Asking for a whole block at the boundary instead overflows the core's miss buffers (64
-// requests x 400 tokens x 30 layers, blocks of 16 shuffled: 107-111 ms that way, 67-71 rolling;
-// contiguous blocks unchanged).
-template <typename T, int D, typename F>
-inline void for_each_row(const T* cache, const int32_t* block_ids, int64_t seq_len,
-                         int64_t block_size, F&& f) {
-  const int64_t block_elems = block_size * D;
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-    const T* block = cache + block_ids[b] * block_elems;
-    const char* next = b + 1 < num_blocks ? reinterpret_cast<const char*>(cache + block_ids[b + 1] * block_elems) : nullptr;
-    const int64_t n = std::min(block_size, seq_len - t);
-    for (int64_t i = 0; i < n; ++i, ++t) {
-      if (next != nullptr)
-        for (size_t off = 0; off < D * sizeof(T); off += 64) __builtin_prefetch(next + i * D * sizeof(T) + off);
-      f(t, block + i * D);
-    }
+// The cached rows of one KV head in token order, each pointing at its head_dim values, walked
+// block by block through the block table (no division per token). Blocks lie scattered over
+// the cache, where the hardware prefetcher loses the stream at every block boundary, so each
+// row asks for the same row of the next block: a rolling distance of one block. Asking for a
+// whole block at the boundary instead overflows the core's miss buffers (64 requests x 400
+// tokens x 30 layers, blocks of 16 shuffled: 107-111 ms that way, 67-71 rolling; contiguous
+// blocks unchanged). A walker rather than a callback: the passes keep their accumulators in
+// registers (captured by a callback, they lived on the stack).
+template <typename T, int D>
+class RowWalker {
+ public:
+  RowWalker(const T* cache, const int32_t* block_ids, int64_t seq_len, int64_t block_size)
+      : cache_(cache), block_ids_(block_ids), block_size_(block_size),
+        num_blocks_((seq_len + block_size - 1) / block_size) {
+    if (num_blocks_ > 0) enter(0);
   }
-}
+
+  // The next row: call it at most seq_len times.
+  __attribute__((always_inline)) const T* next() {
+    if (i_ == block_size_) enter(b_ + 1);
+    if (next_block_ != nullptr)
+      for (size_t off = 0; off < kRowBytes; off += 64) __builtin_prefetch(next_block_ + i_ * kRowBytes + off);
+    return block_ + (i_++) * D;
+  }
+
+ private:
+  static constexpr size_t kRowBytes = D * sizeof(T);
+
+  __attribute__((always_inline)) void enter(int64_t b) {
+    b_ = b;
+    i_ = 0;
+    block_ = cache_ + block_ids_[b] * block_size_ * D;
+    next_block_ = b + 1 < num_blocks_
+                      ? reinterpret_cast<const char*>(cache_ + block_ids_[b + 1] * block_size_ * D)
+                      : nullptr;
+  }
+
+  const T* cache_;
+  const int32_t* block_ids_;
+  int64_t block_size_, num_blocks_;
+  int64_t b_ = 0, i_ = 0;
+  const T* block_ = nullptr;
+  const char* next_block_ = nullptr;
+};
 
 // Softmax of scores[0:n] in place, in float32.
 inline void softmax_inplace(float* scores, int64_t n) {
@@ -68,40 +93,80 @@ inline void softmax_inplace(float* scores, int64_t n) {
   at::vec::map([inv](Vec x) { return x * Vec(inv); }, scores, scores, n);
 }
 
+constexpr int kKeysPerSum = 4;  // keys scored together, their dot products summed in one go
+
+// dst[r] = the sum of the lanes of acc[r] for r < n (n <= kKeysPerSum). On AVX-512 one
+// transposing reduction serves four keys: a horizontal sum per key and head (~8 dependent
+// shuffles and adds, then a scalar store) was the largest part of the key pass.
+inline void sum_lanes(const Vec (&acc)[kKeysPerSum], float* dst, int n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 half[kKeysPerSum];
+  for (int r = 0; r < kKeysPerSum; ++r) {
+    const __m512 a = acc[r];
+    half[r] = _mm256_add_ps(_mm512_castps512_ps256(a),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  // Lane r of each 128-bit half: key r's partial sums, then the two halves added.
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+  const __m128 total = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  if (n == kKeysPerSum) {
+    _mm_storeu_ps(dst, total);
+  } else {
+    alignas(16) float all[kKeysPerSum];
+    _mm_store_ps(all, total);
+    std::copy(all, all + n, dst);
+  }
+#else
+  for (int r = 0; r < n; ++r)
+    dst[r] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r]);
+#endif
+}
+
 // Attention of `heads` query heads (rows of q, `q_stride` apart) over one KV head's seq_len
-// cached tokens; scores is scratch of heads * seq_len floats.
+// cached tokens; scores is scratch of heads * seq_len floats. The key pass scores kKeysPerSum
+// keys at a time; both passes keep their vectors in registers (for 3 heads: 12 of the queries,
+// 12 accumulators, 4 of the row), so the arrays are sized by kHeads when it is known.
 template <typename T, int D, int kHeads>
 void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cache,
                     const T* value_cache, const int32_t* block_ids, int64_t seq_len,
                     int64_t block_size, float scale, T* out, int64_t out_stride, float* scores) {
   constexpr int NV = D / Vec::size();
+  constexpr int G = kHeads > 0 ? kHeads : kMaxHeadsPerKv;
   const int heads = kHeads > 0 ? kHeads : heads_rt;
-  Vec qv[kMaxHeadsPerKv][NV];
+  Vec qv[G][NV];
   for (int g = 0; g < heads; ++g) {
     minivllm::load_floats(q + g * q_stride, qv[g], D);
     for (int j = 0; j < NV; ++j) qv[g][j] = qv[g][j] * Vec(scale);
   }
-  Vec kv[NV];
-  for_each_row<T, D>(key_cache, block_ids, seq_len, block_size, [&](int64_t t, const T* row) {
-    minivllm::load_floats(row, kv, D);
-    for (int g = 0; g < heads; ++g) {
-      Vec acc = qv[g][0] * kv[0];
-      for (int j = 1; j < NV; ++j) acc = at::vec::fmadd(qv[g][j], kv[j], acc);
-      scores[g * seq_len + t] =
-          at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  RowWalker<T, D> keys(key_cache, block_ids, seq_len, block_size);
+  const T* row = nullptr;
+  for (int64_t t0 = 0; t0 < seq_len; t0 += kKeysPerSum) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeysPerSum, seq_len - t0));
+    Vec acc[G][kKeysPerSum];
+    for (int r = 0; r < kKeysPerSum; ++r) {
+      if (r < n) row = keys.next();  // past the last key its row is scored again, not stored
+      Vec kv[NV];
+      minivllm::load_floats(row, kv, D);
+      for (int g = 0; g < heads; ++g) {
+        acc[g][r] = qv[g][0] * kv[0];
+        for (int j = 1; j < NV; ++j) acc[g][r] = at::vec::fmadd(qv[g][j], kv[j], acc[g][r]);
+      }
     }
-  });
+    for (int g = 0; g < heads; ++g) sum_lanes(acc[g], scores + g * seq_len + t0, n);
+  }
   for (int g = 0; g < heads; ++g) softmax_inplace(scores + g * seq_len, seq_len);
-  Vec acc[kMaxHeadsPerKv][NV];
+  Vec acc[G][NV];
   for (int g = 0; g < heads; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = Vec(0.f);
-  for_each_row<T, D>(value_cache, block_ids, seq_len, block_size, [&](int64_t t, const T* row) {
-    minivllm::load_floats(row, kv, D);
+  RowWalker<T, D> values(value_cache, block_ids, seq_len, block_size);
+  for (int64_t t = 0; t < seq_len; ++t) {
+    Vec kv[NV];
+    minivllm::load_floats(values.next(), kv, D);
     for (int g = 0; g < heads; ++g) {
       const Vec p(scores[g * seq_len + t]);
       for (int j = 0; j < NV; ++j) acc[g][j] = at::vec::fmadd(p, kv[j], acc[g][j]);
     }
-  });
+  }
   for (int g = 0; g < heads; ++g) minivllm::store_floats(acc[g], out + g * out_stride, D);
 }
 

@@ -122,10 +122,24 @@ inline void sum_lanes(const Vec (&acc)[kKeysPerSum], float* dst, int n) {
 #endif
 }
 
+// Vector accumulators a pass keeps in registers (AVX-512 has 32 vector registers; the rest hold
+// the row being read and the queries or probabilities).
+constexpr int kAccumulators = 16;
+constexpr int kHeadsPerGroup = kAccumulators / kKeysPerSum;  // query heads a key step scores
+
+// Float vectors of head_dim one value walk covers: as many as leave `heads` x that many
+// accumulators in registers, a power of two and at least a pair (the unit bfloat16 loads in).
+constexpr int value_slice(int heads, int nv) {
+  int slice = 2;
+  while (slice * 2 <= nv && heads * slice * 2 <= kAccumulators) slice *= 2;
+  return slice;
+}
+
 // Attention of `heads` query heads (rows of q, `q_stride` apart) over one KV head's seq_len
-// cached tokens; scores is scratch of heads * seq_len floats. The key pass scores kKeysPerSum
-// keys at a time; both passes keep their vectors in registers (for 3 heads: 12 of the queries,
-// 12 accumulators, 4 of the row), so the arrays are sized by kHeads when it is known.
+// cached tokens; scores is scratch of heads * seq_len floats. Both passes keep their
+// accumulators in registers: the key pass scores kKeysPerSum keys for up to kHeadsPerGroup
+// heads at a time, the value pass walks the rows once per slice of head_dim that fits. Only
+// the instances with a known head count can: the generic one (kHeads 0) spills.
 template <typename T, int D, int kHeads>
 void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cache,
                     const T* value_cache, const int32_t* block_ids, int64_t seq_len,
@@ -142,32 +156,43 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
   const T* row = nullptr;
   for (int64_t t0 = 0; t0 < seq_len; t0 += kKeysPerSum) {
     const int n = static_cast<int>(std::min<int64_t>(kKeysPerSum, seq_len - t0));
-    Vec acc[G][kKeysPerSum];
+    const T* rows[kKeysPerSum];
     for (int r = 0; r < kKeysPerSum; ++r) {
       if (r < n) row = keys.next();  // past the last key its row is scored again, not stored
-      Vec kv[NV];
-      minivllm::load_floats(row, kv, D);
-      for (int g = 0; g < heads; ++g) {
-        acc[g][r] = qv[g][0] * kv[0];
-        for (int j = 1; j < NV; ++j) acc[g][r] = at::vec::fmadd(qv[g][j], kv[j], acc[g][r]);
-      }
+      rows[r] = row;
     }
-    for (int g = 0; g < heads; ++g) sum_lanes(acc[g], scores + g * seq_len + t0, n);
+    for (int g0 = 0; g0 < heads; g0 += kHeadsPerGroup) {
+      const int group = std::min(kHeadsPerGroup, heads - g0);
+      Vec acc[kHeadsPerGroup][kKeysPerSum];
+      for (int r = 0; r < kKeysPerSum; ++r) {
+        Vec kv[NV];
+        minivllm::load_floats(rows[r], kv, D);
+        for (int g = 0; g < group; ++g) {
+          acc[g][r] = qv[g0 + g][0] * kv[0];
+          for (int j = 1; j < NV; ++j) acc[g][r] = at::vec::fmadd(qv[g0 + g][j], kv[j], acc[g][r]);
+        }
+      }
+      for (int g = 0; g < group; ++g) sum_lanes(acc[g], scores + (g0 + g) * seq_len + t0, n);
+    }
   }
   for (int g = 0; g < heads; ++g) softmax_inplace(scores + g * seq_len, seq_len);
-  Vec acc[G][NV];
-  for (int g = 0; g < heads; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = Vec(0.f);
-  RowWalker<T, D> values(value_cache, block_ids, seq_len, block_size);
-  for (int64_t t = 0; t < seq_len; ++t) {
-    Vec kv[NV];
-    minivllm::load_floats(values.next(), kv, D);
-    for (int g = 0; g < heads; ++g) {
-      const Vec p(scores[g * seq_len + t]);
-      for (int j = 0; j < NV; ++j) acc[g][j] = at::vec::fmadd(p, kv[j], acc[g][j]);
+  constexpr int NS = value_slice(G, NV);
+  constexpr int kSliceElems = NS * Vec::size();
+  for (int s = 0; s < D; s += kSliceElems) {
+    Vec acc[G][NS];
+    for (int g = 0; g < heads; ++g)
+      for (int j = 0; j < NS; ++j) acc[g][j] = Vec(0.f);
+    RowWalker<T, D> values(value_cache, block_ids, seq_len, block_size);
+    for (int64_t t = 0; t < seq_len; ++t) {
+      Vec kv[NS];
+      minivllm::load_floats(values.next() + s, kv, kSliceElems);
+      for (int g = 0; g < heads; ++g) {
+        const Vec p(scores[g * seq_len + t]);
+        for (int j = 0; j < NS; ++j) acc[g][j] = at::vec::fmadd(p, kv[j], acc[g][j]);
+      }
     }
+    for (int g = 0; g < heads; ++g) minivllm::store_floats(acc[g], out + g * out_stride + s, kSliceElems);
   }
-  for (int g = 0; g < heads; ++g) minivllm::store_floats(acc[g], out + g * out_stride, D);
 }
 
 template <typename T, int D>
@@ -197,6 +222,8 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
     case 2: attend = attend_kv_head<T, D, 2>; break;
     case 3: attend = attend_kv_head<T, D, 3>; break;
     case 4: attend = attend_kv_head<T, D, 4>; break;
+    case 6: attend = attend_kv_head<T, D, 6>; break;  // e.g. Qwen2.5-1.5B
+    case 7: attend = attend_kv_head<T, D, 7>; break;  // e.g. Qwen2.5-0.5B and 7B
     case 8: attend = attend_kv_head<T, D, 8>; break;
   }
   at::parallel_for(0, num_reqs * num_kv_heads, grain, [&](int64_t begin, int64_t end) {

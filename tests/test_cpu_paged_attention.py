@@ -21,13 +21,13 @@ def kernels():
     assert cpu_kernels.load()
 
 
-SHAPES = [  # (heads, kv_heads, head_dim): SmolLM2, Llama-3-8B-like, MHA, MQA, Qwen2.5-1.5B-like
-    (9, 3, 64),
-    (32, 8, 128),
-    (4, 4, 64),
-    (8, 1, 128),
-    (12, 2, 128),  # 6 query heads per KV head: the decode kernel's value pass in two walks
-    (10, 2, 64),  # 5: a grouping without its own decode instance
+SHAPES = [  # (heads, kv_heads, head_dim)
+    (9, 3, 64),  # SmolLM2
+    (32, 8, 128),  # Llama-3-8B-like
+    (4, 4, 64),  # MHA
+    (8, 1, 128),  # MQA: two key steps of 4 heads, the value pass in four walks of 32 dims
+    (12, 2, 128),  # Qwen2.5-1.5B-like, 6 per KV head: the value pass in four walks of 32 dims
+    (10, 2, 64),  # 5 per KV head: a grouping without its own decode instance
 ]
 
 

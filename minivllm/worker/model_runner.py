@@ -101,9 +101,10 @@ class ModelRunner:
         )
         # Only the sampled rows go through the last layer's o_proj and MLP, unless every row
         # is sampled (decodes) or prompt logprobs need every row's final state.
-        pruned = len(logits_rows) < len(input_ids) and not self._any_prompt_logprobs()
+        prompt_logprobs_rows = np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0)
+        pruned = len(logits_rows) < len(input_ids) and not len(prompt_logprobs_rows)
         hidden_states = self.forward(input_ids, positions, attn_metadata, logits_indices if pruned else None)
-        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, query_start_loc)
+        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, query_start_loc, prompt_logprobs_rows)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         logprobs = None
         if len(logits_rows):
@@ -125,14 +126,11 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _any_prompt_logprobs(self) -> bool:
-        """Whether a request in the batch asked for prompt logprobs."""
-        return bool((self.input_batch.sampling.num_prompt_logprobs[: self.input_batch.num_reqs] >= 0).any())
-
     def _compute_prompt_logprobs(
-        self, hidden_states: torch.Tensor, query_start_loc: np.ndarray
+        self, hidden_states: torch.Tensor, query_start_loc: np.ndarray, rows: np.ndarray
     ) -> dict[str, LogprobsArrays]:
-        """Logprobs of the prompt tokens this step's chunk predicts, for requests that ask.
+        """Logprobs of the prompt tokens this step's chunk predicts, for the requests that ask
+        (their batch rows are `rows`).
 
         The hidden state at position p predicts prompt token p + 1. Positions already reported
         (before a preemption) are skipped. Logits are computed a slice at a time: a whole prompt's
@@ -140,7 +138,7 @@ class ModelRunner:
         """
         batch = self.input_batch
         results: dict[str, LogprobsArrays] = {}
-        for row in np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0).tolist():
+        for row in rows.tolist():
             state = self.requests[batch.req_ids[row]]
             num_logprobs = int(batch.sampling.num_prompt_logprobs[row])
             num_prompt = len(state.prompt_token_ids)

@@ -142,13 +142,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: Any,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the rows logits_indices names (in its order).
 
         Given logits_indices, the last layer writes and attends every token's K/V but runs
@@ -185,13 +180,8 @@ class LlamaForCausalLM(nn.Module):
         # A tied lm_head's weight packed for oneDNN; the embedding keeps the plain one for lookups.
         self.lm_head_packed: torch.Tensor | None = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: Any,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -24,18 +24,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json  # noqa: E402
-import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import reference  # noqa: E402  (tests/support, on pytest's pythonpath)
 import torch  # noqa: E402
-
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:  # `from reference import ...` works in every import mode
-    sys.path.insert(0, _TESTS_DIR)
-
-import reference  # noqa: E402
 
 
 def pytest_configure(config):

@@ -3,16 +3,10 @@ whole session (several served names, float32, seed 0), and an `openai.OpenAI` cl
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:  # `import openai_server_utils` works in every import mode
-    sys.path.insert(0, _HERE)
-
-from openai_server_utils import (  # noqa: E402
+from server_utils import (
     MODEL_ALIAS,
     MODEL_NAME,
     TINY_SERVER_ARGS,

@@ -5,7 +5,7 @@ auxiliary routes, and agreement with the offline `LLM` on the same (tiny, float3
 from __future__ import annotations
 
 import pytest
-from openai_server_utils import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
+from server_utils import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
 from transformers import AutoTokenizer
 
 import minivllm

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from openai_server_utils import (
+from server_utils import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     TINY_SERVER_ARGS,

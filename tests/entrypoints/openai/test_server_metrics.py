@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from openai_server_utils import (
+from server_utils import (
     MODEL_NAME,
     TINY_SERVER_ARGS,
     RemoteServer,

@@ -9,7 +9,7 @@ import threading
 import time
 
 import httpx
-from openai_server_utils import (
+from server_utils import (
     MODEL_NAME,
     TINY_SERVER_ARGS,
     RemoteServer,

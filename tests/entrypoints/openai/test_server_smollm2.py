@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import reference
-from openai_server_utils import RemoteServer
+from server_utils import RemoteServer
 
 from minivllm import LLM, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Tests of the transformers reference harness itself (tests/reference.py), so that the
+"""Tests of the transformers reference harness itself (tests/support/reference.py), so that the
 engine-vs-HF comparisons built on it cannot silently be wrong."""
 
 from __future__ import annotations

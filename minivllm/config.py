@@ -114,6 +114,41 @@ class SchedulerConfig:
             )
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Workers the model is sharded over (one device each)."""
+    data_parallel_size: int = 1
+    """Engine cores, each with its own scheduler, KV cache and copy of the model."""
+    distributed_executor_backend: str = "uni"
+    """How the workers run: uni (one worker in the engine process), mp (worker processes), ray."""
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}."
+            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        # NOTE: the one place that says what exists: executor/ has only the uni executor.
+        if (self.distributed_executor_backend, self.tensor_parallel_size, self.data_parallel_size) != ("uni", 1, 1):
+            raise ValueError(
+                "minivllm runs one worker in one engine core for now: distributed_executor_backend="
+                f"{self.distributed_executor_backend!r}, tensor_parallel_size={self.tensor_parallel_size} "
+                f"and data_parallel_size={self.data_parallel_size} are not available (only 'uni', 1, 1)."
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine core (its tensor parallel ranks)."""
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
@@ -126,3 +161,4 @@ class VllmConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = ParallelConfig()

@@ -20,6 +20,7 @@ from minivllm.config import (
     CacheConfig,
     DeviceConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -74,6 +75,12 @@ class EngineArgs:
     """On CPU in bfloat16: run a GGUF model's Q4_1 layers with the int4 kernel for steps of up to 8
     tokens (about a quarter off each single-stream decode step); larger steps use the dequantized
     weights."""
+    tensor_parallel_size: int = 1
+    """Workers the model is sharded over (only 1 for now)."""
+    data_parallel_size: int = 1
+    """Engine cores behind one front end (only 1 for now)."""
+    distributed_executor_backend: str = "uni"
+    """How the workers run: uni (in the engine process; the only one for now), mp, ray."""
 
     def create_engine_config(self) -> VllmConfig:
         model_path = resolve_model_path(self.model)
@@ -114,7 +121,12 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device))
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device), parallel_config)
 
     def _resolve_device(self) -> str:
         import torch

@@ -2,8 +2,9 @@
 
 A request's full data (prompt, sampling params, blocks) is sent once, in NewRequestData, when it
 is first scheduled; afterwards CachedRequestData carries only what changed (new block ids, the
-computed-token count). The worker keeps the rest in its persistent batch, so the per-step
-message stays small even when it has to cross a process boundary.
+computed-token count). Block ids come per KV cache group (core/kv_cache_interface.py): a tuple
+with one list per group, in the groups' order. The worker keeps the rest in its persistent
+batch, so the per-step message stays small even when it has to cross a process boundary.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -45,7 +46,7 @@ class CachedRequestData:
     # A resumed request had all its blocks freed: new_block_ids replaces its block table
     # instead of extending it, and the worker recomputes its KV from num_computed_tokens.
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # per KV cache group
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
@@ -53,10 +54,15 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    # req_id -> number of tokens to compute this step (prefill chunk or 1 decode token).
+    # req_id -> number of tokens to compute this step (prefill chunk, or 1 decode token plus the
+    # request's speculative tokens).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests finished or aborted since the last step: the worker drops their state.
     finished_req_ids: set[str]
     # Requests preempted in this step (freed blocks; back in the waiting queue).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> the draft tokens to verify after its last known token (speculative decoding);
+    # they are the last len(...) of the request's num_scheduled_tokens. Only requests that have
+    # draft tokens appear.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

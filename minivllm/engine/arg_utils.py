@@ -26,6 +26,7 @@ from minivllm.config import (
 )
 from minivllm.logger import init_logger
 from minivllm.model.registry import check_architecture
+from minivllm.platforms import resolve_device
 from minivllm.transformers_utils import get_config, resolve_model_path
 
 logger = init_logger(__name__)
@@ -87,7 +88,7 @@ class EngineArgs:
         tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
         hf_config = get_config(model_path)
         check_architecture(getattr(hf_config, "architectures", None))
-        device = self._resolve_device()
+        device = resolve_device(self.device)
         max_model_len = self._resolve_max_model_len(hf_config)
         model_config = ModelConfig(
             model=model_path,
@@ -127,17 +128,6 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
         )
         return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device), parallel_config)
-
-    def _resolve_device(self) -> str:
-        import torch
-
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but CUDA is not available.")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"Unsupported device {self.device!r}; use cpu, cuda or auto.")
-        return self.device
 
     def _resolve_dtype(self, hf_config: Any, model_path: str, device: str) -> str:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -1,29 +1,28 @@
 """The attention backend interface: per-step metadata on the CPU side, paged attention on the device.
 
-The model runner describes one step with CommonAttentionMetadata (numpy views of the persistent
-batch: where each request's queries start, how long each sequence is, its block table). A
-backend turns that into its own metadata once per step (shared by every layer), and each
-attention layer calls `forward` with its queries, new keys/values and its slice of the KV cache.
+The model runner describes one step with a CommonAttentionMetadata per KV cache group (numpy
+views of the persistent batch: where each request's queries start, how long each sequence is,
+the group's block table and slot mapping). A backend turns that into its own metadata once per
+step and group (shared by the group's layers), and each attention layer calls `forward` with its
+queries, new keys/values and its KV cache. A backend also says what it supports, so the runner
+asks instead of inspecting its metadata. Which backend runs is attention/selector.py's choice.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from minivllm import envs
-from minivllm.logger import init_logger
-
-logger = init_logger(__name__)
-
 
 @dataclass
 class CommonAttentionMetadata:
-    """Backend-independent description of one step (row i = i-th request in the batch)."""
+    """Backend-independent description of one step for one KV cache group (row i = i-th request
+    in the batch)."""
 
     query_start_loc: np.ndarray  # [num_reqs + 1] int32, cumulative query lengths
     seq_lens: np.ndarray  # [num_reqs] int32, computed + scheduled tokens
@@ -42,18 +41,43 @@ class CommonAttentionMetadata:
         return np.diff(self.query_start_loc)
 
 
-class AttentionBackend(ABC):
-    """One implementation of paged attention (reference torch, Triton, flash...)."""
+class GraphSupport(enum.IntEnum):
+    """Which steps a forward recorded once (a CPU decode trace, a CUDA graph) may replay with
+    this backend: its metadata of such steps must be tensors whose shapes are all the replay
+    varies (vLLM's AttentionCGSupport)."""
 
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request has exactly one query token
+
+
+def head_major_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The paged layout both CPU-capable backends share, per layer:
+    [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. Gathering a request's blocks
+    along dim 2 yields, per KV head, its keys as one contiguous [seq_len, head_dim] matrix."""
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention (reference torch, CPU kernels, Triton, flash...)."""
+
+    name: ClassVar[str]
+    """Its name in attention/selector.py's registry."""
+    graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
+    supports_sliding_window: ClassVar[bool] = False
+
+    @classmethod
+    def unsupported_reason(cls, device_type: str, dtype: torch.dtype, head_size: int) -> str | None:
+        """Why this backend cannot run layers of this shape here (None when it can)."""
+        return None
+
+    @staticmethod
     @abstractmethod
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache; the layout is the backend's choice."""
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """CPU-side work done once per step and shared by all layers."""
+        """CPU-side work done once per step and KV cache group, shared by the group's layers."""
 
     @abstractmethod
     def forward(
@@ -66,29 +90,3 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new K/V into the cache by slot mapping, then attend through block tables."""
-
-
-def get_attn_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
-    """Select the backend at start-up: on CPU the C++ paged kernels when they are built and
-    support the model, else the torch reference (MINIVLLM_ATTENTION_BACKEND forces one)."""
-    from minivllm.attention.torch_ref import TorchRefAttentionBackend
-
-    choice = envs.attention_backend()
-    if choice not in ("AUTO", "TORCH_REF", "CPU_PAGED"):
-        raise ValueError(f"MINIVLLM_ATTENTION_BACKEND={choice!r}: expected TORCH_REF or CPU_PAGED")
-    if device.type == "cpu" and choice in ("AUTO", "CPU_PAGED"):
-        from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
-        from minivllm.ops import cpu_kernels
-
-        if not CpuPagedAttentionBackend.supports(dtype, head_dim):
-            reason = f"{dtype} with head_dim {head_dim} is not supported by the CPU kernels"
-        elif not envs.cpu_kernels():
-            reason = "MINIVLLM_CPU_KERNELS=0"
-        elif not cpu_kernels.load():
-            reason = "the CPU kernels are not built (`python -m minivllm.ops.cpu_kernels`, ~30 s)"
-        else:
-            return CpuPagedAttentionBackend()
-        if choice == "CPU_PAGED":
-            raise RuntimeError(f"attention backend CPU_PAGED unavailable: {reason}")
-        logger.info("Attention backend TORCH_REF: %s.", reason)
-    return TorchRefAttentionBackend()

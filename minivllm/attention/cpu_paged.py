@@ -7,8 +7,9 @@ whole prompt, a later chunk or the rest of a prompt after a prefix-cache hit, to
 (paged_prefill_attention.cpp), which applies the causal mask by position. The new K/V go into
 the cache first, by one copy per token and head.
 
-Same cache layout as the reference backend, so both read each other's caches and tests can
-compare them on one cache.
+Same cache layout as the reference backend (backend.py: head_major_kv_cache_shape), so both read
+each other's caches and tests can compare them on one cache. Its decode-only steps are tensors of
+fixed structure, so a recorded forward can replay them (worker/decode_graph.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.attention.backend import CommonAttentionMetadata
-from minivllm.attention.torch_ref import TorchRefAttentionBackend
+from minivllm import envs
+from minivllm.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    GraphSupport,
+    head_major_kv_cache_shape,
+)
+from minivllm.ops import cpu_kernels
+from minivllm.utils import cdiv
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,7 +46,7 @@ class PagedRows:
     @classmethod
     def select(cls, common: CommonAttentionMetadata, query_lens: np.ndarray, rows: np.ndarray) -> PagedRows:
         seq_lens = common.seq_lens[rows]
-        max_blocks = -(-int(seq_lens.max()) // common.block_size) if len(rows) else 0
+        max_blocks = cdiv(int(seq_lens.max()), common.block_size) if len(rows) else 0
         return cls(
             torch.from_numpy(common.query_start_loc[rows].astype(np.int64)),
             torch.from_numpy(query_lens[rows].astype(np.int32)),
@@ -57,10 +65,22 @@ class CpuPagedMetadata:
     prefills: PagedRows  # requests with more
 
 
-class CpuPagedAttentionBackend(TorchRefAttentionBackend):
-    @staticmethod
-    def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
+class CpuPagedAttentionBackend(AttentionBackend):
+    name = "CPU_PAGED"
+    graph_support = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    get_kv_cache_shape = staticmethod(head_major_kv_cache_shape)
+
+    @classmethod
+    def unsupported_reason(cls, device_type: str, dtype: torch.dtype, head_size: int) -> str | None:
+        if device_type != "cpu":
+            return f"runs on CPU only, not {device_type}"
+        if dtype not in SUPPORTED_DTYPES or head_size not in SUPPORTED_HEAD_DIMS:
+            return f"the CPU kernels do not support {dtype} with head size {head_size}"
+        if not envs.cpu_kernels():
+            return "MINIVLLM_CPU_KERNELS=0"
+        if not cpu_kernels.load():
+            return "the CPU kernels are not built (`python -m minivllm.ops.cpu_kernels`, ~30 s)"
+        return None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuPagedMetadata:
         query_lens = common.query_lens

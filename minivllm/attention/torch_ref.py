@@ -1,9 +1,9 @@
 """Reference paged attention in plain torch: runs on CPU and CUDA, and is what faster backends
 are checked against.
 
-KV cache layout, per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (head-major).
-Gathering a request's blocks along dim 2 then yields, for each KV head, its keys as one
-contiguous [seq_len, head_dim] matrix, which matmul consumes without another copy.
+KV cache layout, per layer: backend.py's head_major_kv_cache_shape. Gathering a request's blocks
+along dim 2 yields, for each KV head, its keys as one contiguous [seq_len, head_dim] matrix,
+which matmul consumes without another copy.
 
 Decode requests (one query token) are sorted by length and cut into groups; each group is two
 matmuls over K/V gathered through its block tables, padded to the group's longest sequence and
@@ -21,7 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from minivllm.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    head_major_kv_cache_shape,
+)
+from minivllm.utils import cdiv
 
 
 @dataclass
@@ -58,10 +63,11 @@ FLOAT32_GROUP_TOKENS = 1024
 
 
 class TorchRefAttentionBackend(AttentionBackend):
-    def get_kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    """Any device, any dtype and head size. Its metadata is per-step Python structure (decode
+    groups, prefill spans), so no recorded forward replays it."""
+
+    name = "TORCH_REF"
+    get_kv_cache_shape = staticmethod(head_major_kv_cache_shape)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchRefMetadata:
         device = common.device
@@ -72,7 +78,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         decodes = []
         for rows in _decode_groups(np.flatnonzero(is_decode), common.seq_lens):
             seq_lens = common.seq_lens[rows]
-            num_blocks = -(-int(seq_lens[-1]) // bs)
+            num_blocks = cdiv(int(seq_lens[-1]), bs)
             padding = np.arange(num_blocks * bs)[None, :] >= seq_lens[:, None]
             token_indices = common.query_start_loc[rows]
             # A step of decodes only, in one group already in order (one stream, or requests of
@@ -125,7 +131,7 @@ def build_prefill_spans(common: CommonAttentionMetadata, rows: np.ndarray) -> li
             k_pos = torch.arange(seq_len, device=device)
             span.seq_len = seq_len
             span.attn_mask = k_pos[None, :] <= q_pos[:, None]
-            span.block_ids = _to_device(common.block_table[row, : -(-seq_len // bs)], device)
+            span.block_ids = _to_device(common.block_table[row, : cdiv(seq_len, bs)], device)
         prefills.append(span)
     return prefills
 

@@ -2,8 +2,9 @@
 and EngineCoreProc, the same core behind two ZMQ sockets, run in its own process.
 
 EngineCore owns the Scheduler and the executor (and through it the workers and the KV cache).
-It sizes the KV cache at start-up: the workers say how many blocks fit, the scheduler's KV
-manager is built with exactly that many.
+It sizes the KV cache at start-up: the workers say what their layers need (KV cache specs) and
+how much memory they have, core/kv_cache_utils.py turns that into a KVCacheConfig (blocks,
+groups, tensors), the workers allocate it and the scheduler's KV manager is built from it.
 
 EngineCoreProc's busy loop: when idle, block on the input queue; when there is work, drain the
 new messages without blocking, step, and queue the outputs. Two threads own the sockets and do
@@ -25,6 +26,8 @@ from typing import Any
 import zmq
 
 from minivllm.config import VllmConfig
+from minivllm.core.kv_cache_interface import KVCacheConfig
+from minivllm.core.kv_cache_utils import get_kv_cache_config
 from minivllm.core.outputs import SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
@@ -38,7 +41,7 @@ from minivllm.engine.messages import (
     UtilityResult,
 )
 from minivllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from minivllm.executor.uniproc_executor import UniProcExecutor
+from minivllm.executor.abstract import Executor
 from minivllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,13 +53,24 @@ UTILITY_METHODS = frozenset({"get_scheduler_stats", "reset_prefix_cache", "shutd
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig) -> None:
         start = time.perf_counter()
-        self.model_executor = UniProcExecutor(vllm_config)
-        num_blocks = self.model_executor.determine_num_available_blocks()
-        cache_config = dataclasses.replace(vllm_config.cache_config, num_gpu_blocks=num_blocks)
+        self.model_executor = Executor.get_class(vllm_config)(vllm_config)
+        kv_cache_config = self._initialize_kv_caches(vllm_config)
+        cache_config = dataclasses.replace(vllm_config.cache_config, num_gpu_blocks=kv_cache_config.num_blocks)
         self.vllm_config = dataclasses.replace(vllm_config, cache_config=cache_config)
-        self.model_executor.initialize_cache(num_blocks)
-        self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config)
+        self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config, kv_cache_config)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
+
+    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
+        """Size the KV cache by the worker with the least memory, allocate it on every worker,
+        and return the scheduler's view (every worker holds the same blocks)."""
+        kv_cache_specs = self.model_executor.get_kv_cache_specs()
+        available_memory = min(self.model_executor.determine_available_memory())
+        kv_cache_configs = [
+            get_kv_cache_config(vllm_config.cache_config, vllm_config.scheduler_config, spec, available_memory)
+            for spec in kv_cache_specs
+        ]
+        self.model_executor.initialize_from_config(kv_cache_configs)
+        return kv_cache_configs[0]
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -90,6 +104,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the workers; the engine core is unusable after."""
+        self.model_executor.shutdown()
 
 
 class EngineCoreProc(EngineCore):
@@ -183,14 +201,16 @@ class EngineCoreProc(EngineCore):
         except Exception as e:  # reported to the caller; the engine keeps serving
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
-    def shutdown(self) -> bool:
+    def shutdown(self) -> None:
+        """Shut down, asked by the front end (a utility call): the busy loop ends after this
+        message, and close() then stops the workers."""
         self._shutdown_requested = True
-        return True
 
     def close(self) -> None:
         self.output_queue.put(None)
         self._output_thread.join(timeout=5)
         self._ctx.term()
+        EngineCore.shutdown(self)
 
 
 def run_engine_core(

@@ -1,31 +1,24 @@
-"""The executor for one device: the worker lives in this process and is called directly.
-
-The executor is the seam where tensor-parallel (one worker per device) and multi-node
-executors plug in; the engine core only ever talks to this interface.
-"""
+"""The executor for one device: the worker lives in the engine process and is called directly."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from minivllm.executor.abstract import Executor
 from minivllm.worker.worker import Worker
 
-if TYPE_CHECKING:
-    from minivllm.config import VllmConfig
-    from minivllm.core.outputs import ModelRunnerOutput
-    from minivllm.core.sched.output import SchedulerOutput
 
+class UniProcExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.driver_worker = Worker(self.vllm_config, local_rank=0, rank=0)
+        self.driver_worker.init_device()
+        self.driver_worker.load_model()
 
-class UniProcExecutor:
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        self.worker = Worker(vllm_config)
-        self.worker.load_model()
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
 
-    def determine_num_available_blocks(self) -> int:
-        return self.worker.determine_num_available_blocks()
+    def check_health(self) -> None:
+        self.driver_worker.check_health()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def shutdown(self) -> None:
+        """Nothing to stop: the worker goes with the engine process."""

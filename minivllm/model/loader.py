@@ -18,10 +18,8 @@ from torch import nn
 from minivllm.attention.backend import AttentionBackend
 from minivllm.config import ModelConfig
 from minivllm.logger import init_logger
-from minivllm.model.layers.linear import packed_linear_available
-from minivllm.model.layers.quant import int4_kernel_available
 from minivllm.model.registry import get_model_class
-from minivllm.ops import cpu_kernels
+from minivllm.platforms import get_platform
 
 logger = init_logger(__name__)
 
@@ -50,6 +48,7 @@ def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Ten
 
 def get_model(model_config: ModelConfig, device: torch.device, backend: AttentionBackend) -> nn.Module:
     dtype = getattr(torch, model_config.dtype)
+    platform = get_platform(device.type)
     model_cls = get_model_class(model_config.hf_config.architectures)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(model_config.hf_config, backend)
@@ -68,17 +67,15 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights: {sorted(missing)[:8]}...")
-    if model_config.is_gguf and model_config.gguf_int4_decode and device.type == "cpu" \
-            and dtype == torch.bfloat16 and int4_kernel_available():
+    if model_config.is_gguf and model_config.gguf_int4_decode and platform.use_gguf_quantized_linear(dtype):
         from minivllm.model.gguf_loader import iterate_gguf_q4_1
 
         model.load_weights(iterate_gguf_q4_1(model_config.model))
-    if model_config.is_gguf and device.type == "cpu" and cpu_kernels.enabled() \
-            and dtype in (torch.float32, torch.bfloat16):
+    if model_config.is_gguf and platform.use_custom_kernels(dtype):  # q8_0_linear for the lm_head
         from minivllm.model.gguf_loader import gguf_lm_head_q8_0
 
         model.lm_head_q8_0 = gguf_lm_head_q8_0(model_config.model)
-    if packed_linear_available(device, dtype):
+    if platform.use_packed_linear(dtype):
         process_weights_after_loading(model)
     return model.eval()
 

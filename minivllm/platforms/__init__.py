@@ -13,8 +13,12 @@ import ast
 import ctypes
 import importlib.util
 import os
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.platforms.interface import Platform
 
 
 def resolve_device(device: str) -> str:
@@ -83,3 +87,15 @@ def _visible_cuda_devices() -> int | None:
     if visible is not None:
         return min(count.value, len([d for d in visible.split(",") if d.strip()]))
     return count.value
+
+
+_PLATFORMS = {"cpu": ("minivllm.platforms.cpu", "CpuPlatform"), "cuda": ("minivllm.platforms.cuda", "CudaPlatform")}
+
+
+@cache
+def get_platform(device_type: str) -> Platform:
+    """The platform object of a device kind ("cpu", "cuda"); imports torch."""
+    if device_type not in _PLATFORMS:
+        raise ValueError(f"No platform for device type {device_type!r}; supported: {', '.join(_PLATFORMS)}.")
+    module_name, class_name = _PLATFORMS[device_type]
+    return getattr(importlib.import_module(module_name), class_name)()

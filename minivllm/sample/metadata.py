@@ -38,7 +38,3 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # largest `logprobs` asked for; None if nobody asked
     edits: SparseLogitsEdits | None = None  # logit_bias, allowed_token_ids, bad_words, min_tokens
     penalties: PenaltyState | None = None
-
-    @property
-    def needs_logits_processing(self) -> bool:
-        return self.edits is not None or self.penalties is not None

@@ -10,12 +10,13 @@ batch that is all greedy with no processing is a single argmax.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from minivllm.ops import cpu_kernels
+from minivllm.core.outputs import LogprobsArrays
 from minivllm.sample.logits_processors import apply_logits_edits
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.penalties import apply_penalties
@@ -27,13 +28,26 @@ class LogprobsTensors(NamedTuple):
     logprobs: torch.Tensor  # [num_rows, 1 + N] float32
     token_ranks: torch.Tensor  # [num_rows] int64, 1-based rank of the chosen token
 
+    def to_arrays(self) -> LogprobsArrays:
+        """On the host, as ModelRunnerOutput carries them."""
+        return LogprobsArrays(*(t.cpu().numpy() for t in self))
+
 
 class SamplerOutput(NamedTuple):
     sampled_token_ids: torch.Tensor  # [num_rows] int64
     logprobs_tensors: LogprobsTensors | None
 
 
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler(nn.Module):
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+        """argmax: each row's argmax, from the device's platform (on CPU a C++ kernel)."""
+        super().__init__()
+        self.argmax = argmax
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_rows, vocab] float32 -> one token per row."""
         raw_logprobs = None
@@ -58,40 +72,30 @@ class Sampler(nn.Module):
             )
         return logits
 
-    @staticmethod
-    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return argmax(logits)
-        greedy = argmax(logits) if metadata.is_greedy is not None else None
+            return self.argmax(logits)
+        greedy = self.argmax(logits) if metadata.is_greedy is not None else None
         assert metadata.temperature is not None
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+        random = self.argmax(exponential_race(logits.softmax(dim=-1), metadata.generators))
         if greedy is None:
             return random
         return torch.where(metadata.is_greedy, greedy, random)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / q), q ~ Exp(1): an exact draw from each row's distribution p."""
+    """p / q, q ~ Exp(1), in place: its argmax is an exact draw from each row's distribution p."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.exponential_()
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
-    return argmax(probs.div_(q))
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax. On CPU, float32 rows go to minivllm's kernel (ops/csrc/argmax.cpp):
-    torch's CPU argmax reduces one element at a time, 3 ms per step for 64 rows of a 49k vocab."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
-            and x.stride(1) == 1 and cpu_kernels.enabled()):
-        return torch.ops.minivllm_cpu.argmax_rows(x)
-    return x.argmax(dim=-1)
+    return probs.div_(q)
 
 
 def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:

@@ -1,4 +1,5 @@
-"""Decode steps replayed from a trace: the CPU's counterpart of vLLM's CUDA graphs.
+"""Decode steps replayed from a trace: the CPU's counterpart of vLLM's CUDA graphs (a GraphRunner,
+see graph_runner.py).
 
 A decode step of a small model is a few hundred small ops. Run eagerly, each costs a Python
 module call and a dispatch, ~10 us: for SmolLM2 in bfloat16 about 3 ms of a 9 ms forward at one
@@ -9,12 +10,13 @@ against 5.2-9.9 ms eager, same results bit for bit).
 
 A trace fixes every Python decision the forward made while it was recorded: which kernel each
 Linear picked, that every request has one query token, which attention calls ran. Those
-decisions are the same for every decode-only step of at most MAX_TRACED_ROWS requests (Linears
-take their quantized codes up to INT4_MAX_ROWS rows, so the bound is that), and the sizes
-themselves are read from the tensors when the trace replays, so one trace serves all of them.
-Any other step runs eagerly. The step's inputs (token ids, positions, the attention metadata's
-tensors) are the trace's arguments; weights and KV caches are constants of the trace, the same
-tensors, not copies.
+decisions are the same for every uniform decode step of at most MAX_TRACED_ROWS requests
+(Linears take their quantized codes up to INT4_MAX_ROWS rows, so the bound is that) when the
+attention backend's metadata of such steps is tensors (GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE),
+and the sizes themselves are read from the tensors when the trace replays, so one trace serves
+all of them. Any other step runs eagerly. The step's inputs (token ids, positions, the attention
+metadata's tensors) are the trace's arguments; weights and KV caches are constants of the
+trace, the same tensors, not copies.
 
 The trace is recorded at the first step it applies to (0.5-1 s, then ~0.5 s more over its first
 two replays while TorchScript optimizes the graph), so start-up does not pay for it.
@@ -34,9 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.attention.cpu_paged import CpuPagedMetadata
+from minivllm.attention.backend import GraphSupport
 from minivllm.logger import init_logger
 from minivllm.model.layers.quant import INT4_MAX_ROWS
+from minivllm.worker.graph_runner import BatchDescriptor
 
 logger = init_logger(__name__)
 
@@ -46,23 +49,25 @@ MAX_TRACED_ROWS = INT4_MAX_ROWS
 
 
 class DecodeGraph:
-    """model.forward, with decode-only steps of up to MAX_TRACED_ROWS requests replayed from a
-    trace."""
+    """Uniform decode steps of up to MAX_TRACED_ROWS requests, replayed from one trace."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, graph_support: GraphSupport) -> None:
         self.model = model
+        self.enabled = graph_support >= GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
         self.traced = False  # whether tracing was tried
         self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
-                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        if logits_indices is not None or not _decode_only(attn_metadata, input_ids.shape[0]):
-            return self.model(input_ids, positions, attn_metadata, logits_indices)
+    def can_replay(self, batch: BatchDescriptor) -> bool:
+        return (self.enabled and batch.uniform_decode and batch.num_tokens <= MAX_TRACED_ROWS
+                and (self.graph is not None or not self.traced))
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         if not self.traced:
             self.traced = True
             self.graph = self._trace(input_ids, positions, attn_metadata)
-        if self.graph is None:
-            return self.model(input_ids, positions, attn_metadata)
+            if self.graph is None:
+                return self.model(input_ids, positions, attn_metadata)
+        assert self.graph is not None
         return self.graph(input_ids, positions, *_tensors(attn_metadata))
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -75,17 +80,11 @@ class DecodeGraph:
                 warnings.simplefilter("ignore")  # the deprecation notice and tracer warnings
                 graph = torch.jit.trace(_ForwardOfTensors(self.model, attn_metadata),
                                         (input_ids, positions, *_tensors(attn_metadata)), check_trace=False)
-        except Exception as e:  # noqa: BLE001 - any failure leaves this size eager, never the step
+        except Exception as e:  # noqa: BLE001 - any failure leaves decoding eager, never the step
             logger.warning("Tracing the decode step failed (%s); decode steps run eagerly.", e)
             return None
         logger.info("Traced the decode step in %.2f s", time.perf_counter() - start)
         return graph
-
-
-def _decode_only(attn_metadata: Any, num_tokens: int) -> bool:
-    """A step a trace may replay: the CPU paged backend's metadata, one token per request."""
-    return (isinstance(attn_metadata, CpuPagedMetadata) and num_tokens <= MAX_TRACED_ROWS
-            and len(attn_metadata.prefills) == 0 and len(attn_metadata.decodes) == num_tokens)
 
 
 class _ForwardOfTensors(nn.Module):
@@ -102,9 +101,11 @@ class _ForwardOfTensors(nn.Module):
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) dataclass, in field order."""
+    """The tensors of (tuples of nested) dataclasses, in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if isinstance(obj, tuple):
+        return [t for item in obj for t in _tensors(item)]
     if dataclasses.is_dataclass(obj):
         return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
     return []
@@ -114,6 +115,8 @@ def _rebuild(template: Any, tensors: Iterator[torch.Tensor]) -> Any:
     """template with its tensors replaced, in _tensors' order."""
     if isinstance(template, torch.Tensor):
         return next(tensors)
+    if isinstance(template, tuple):
+        return tuple(_rebuild(item, tensors) for item in template)
     if dataclasses.is_dataclass(template):
         return dataclasses.replace(template, **{f.name: _rebuild(getattr(template, f.name), tensors)
                                                 for f in dataclasses.fields(template)})

@@ -1,9 +1,10 @@
 """The sampling half of the persistent batch: each row's sampling parameters and penalty state.
 
 Per-row numbers live in numpy arrays (sliced per step, never rebuilt from Python objects).
-Penalty state — which tokens the prompt holds, how often each was generated — lives in device
-tensors allocated the first time a request asks for a penalty, and is updated incrementally:
-one scatter-add of the sampled tokens per step.
+Each row's tokens are the InputBatch's (its token table, shared here by reference). Penalty
+state — which tokens the prompt holds, how often each was generated — lives in device tensors
+allocated the first time a request asks for a penalty, and is updated incrementally: one
+scatter-add of the sampled tokens per step.
 """
 
 from __future__ import annotations
@@ -19,9 +20,16 @@ _NO_TOP_K = 1 << 62
 
 
 class SamplingBatch:
-    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, vocab_size: int, device: torch.device, token_ids: np.ndarray,
+        num_prompt_tokens: np.ndarray, num_tokens: np.ndarray,
+    ) -> None:
+        """token_ids, num_prompt_tokens, num_tokens: the InputBatch's rows, read, never written."""
         self.vocab_size = vocab_size
         self.device = device
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = num_tokens
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -41,22 +49,14 @@ class SamplingBatch:
         )
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # banned under min_tokens
-        self.output_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # the request's own list
         self.generators: dict[int, torch.Generator] = {}
         # [max_num_reqs, vocab], allocated on the first penalised request.
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
 
-    def add_row(
-        self,
-        row: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos_token_id: int | None,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-    ) -> None:
-        """Fill `row` for a request; output_token_ids is kept by reference and must stay current."""
+    def add_row(self, row: int, params: SamplingParams, generator: torch.Generator | None,
+                eos_token_id: int | None) -> None:
+        """Fill `row` for a request whose tokens are already in the row."""
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k
@@ -72,26 +72,30 @@ class SamplingBatch:
             params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         )
         self.params[row] = params
-        self.output_ids[row] = output_token_ids
         eos = [] if params.ignore_eos or eos_token_id is None else [eos_token_id]
         self.stop_ids[row] = [*params.stop_token_ids, *eos]
         self.generators.pop(row, None)
         if generator is not None:
             self.generators[row] = generator
         if self.has_penalties[row]:
-            self._init_penalty_row(row, prompt_token_ids, output_token_ids)
+            self._init_penalty_row(row)
 
-    def _init_penalty_row(self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+    def _output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+
+    def _init_penalty_row(self, row: int) -> None:
         if self.prompt_mask is None:
             shape = (len(self.temperature), self.vocab_size)
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
         assert self.output_counts is not None
         self.prompt_mask[row] = False
-        self.prompt_mask[row, torch.tensor(prompt_token_ids, device=self.device)] = True
+        prompt = self.token_ids[row, : self.num_prompt_tokens[row]].astype(np.int64)
+        self.prompt_mask[row, torch.from_numpy(prompt).to(self.device)] = True
         self.output_counts[row] = 0
-        if output_token_ids:  # a request resumed after preemption
-            ids = torch.tensor(output_token_ids, device=self.device)
+        output = self._output_token_ids(row)
+        if len(output):  # a request resumed after preemption
+            ids = torch.from_numpy(output.astype(np.int64)).to(self.device)
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def move_row(self, src: int, dst: int) -> None:
@@ -99,7 +103,6 @@ class SamplingBatch:
             array[dst] = array[src]
         self.params[dst], self.params[src] = self.params[src], None
         self.stop_ids[dst] = self.stop_ids[src]
-        self.output_ids[dst] = self.output_ids[src]
         self.generators.pop(dst, None)
         if src in self.generators:
             self.generators[dst] = self.generators.pop(src)
@@ -113,17 +116,18 @@ class SamplingBatch:
         self.has_penalties[row] = self.has_edits[row] = False
         self.num_prompt_logprobs[row] = -1
 
-    def record_sampled(self, rows: np.ndarray, sampled: torch.Tensor) -> None:
-        """Count the tokens just sampled into the penalised rows' output counts."""
+    def count_sampled(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Count the tokens just sampled (any number per row) into the penalised rows' counts."""
         penalised = self.has_penalties[rows]
         if not penalised.any():
             return
         assert self.output_counts is not None
-        positions = torch.from_numpy(np.flatnonzero(penalised)).to(self.device)
-        batch_rows = torch.from_numpy(rows[penalised].astype(np.int64)).to(self.device)
-        tokens = sampled[positions]
+        batch_rows = [row for row, ids, p in zip(rows.tolist(), token_ids, penalised.tolist(), strict=True)
+                      if p for _ in ids]
+        tokens = [t for ids, p in zip(token_ids, penalised.tolist(), strict=True) if p for t in ids]
         self.output_counts.index_put_(
-            (batch_rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+            (self._index(batch_rows), self._index(tokens)), torch.ones(len(tokens), dtype=torch.int32,
+                                                                        device=self.device), accumulate=True
         )
 
     # ---- per-step metadata ------------------------------------------------------------------
@@ -170,8 +174,7 @@ class SamplingBatch:
         )
 
     def _make_edits(self, rows: np.ndarray) -> SparseLogitsEdits | None:
-        num_output = np.fromiter((len(self.output_ids[r]) for r in rows), np.int32, len(rows))
-        under_min = num_output < self.min_tokens[rows]
+        under_min = self.num_tokens[rows] - self.num_prompt_tokens[rows] < self.min_tokens[rows]
         needs = self.has_edits[rows] | under_min
         if not needs.any():
             return None
@@ -192,7 +195,10 @@ class SamplingBatch:
                 allowed_ids.append(params.allowed_token_ids)
             tokens = list(self.stop_ids[row]) if under_min[i] else []
             if params.bad_words_token_ids:
-                tokens += banned_bad_words(self.output_ids[row], params.bad_words_token_ids)
+                longest_prefix = max(len(word) for word in params.bad_words_token_ids) - 1
+                output = self._output_token_ids(row)
+                tail = output[len(output) - min(longest_prefix, len(output)) :].tolist()
+                tokens += banned_bad_words(tail, params.bad_words_token_ids)
             banned[0].extend([i] * len(tokens))
             banned[1].extend(tokens)
         edits = SparseLogitsEdits()

@@ -1,7 +1,9 @@
-"""Worker: owns one device, the model on it, and its share of the KV cache.
+"""Worker: owns one device, the model on it, and its share of the KV cache (vLLM V1's worker API).
 
-It sizes the KV cache from the memory budget (a GiB figure on CPU, a utilisation fraction of
-device memory on CUDA), allocates it, and runs the ModelRunner for each step.
+The executor drives it through a fixed sequence, by method name (Executor.collective_rpc), so
+the same calls work whether the worker lives in the engine process or in one of several worker
+processes: init_device, load_model, get_kv_cache_spec, determine_available_memory,
+initialize_from_config, then execute_model once per step.
 """
 
 from __future__ import annotations
@@ -11,76 +13,73 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.core.kv_cache_manager import cdiv
 from minivllm.logger import init_logger
-from minivllm.worker.cpu_env import configure_allocator
+from minivllm.platforms import get_platform
+from minivllm.platforms.interface import GiB
 from minivllm.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from minivllm.config import VllmConfig
+    from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from minivllm.core.outputs import ModelRunnerOutput
     from minivllm.core.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
-GiB = 1 << 30
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, local_rank: int = 0, rank: int = 0) -> None:
+        """rank: this worker's place among the engine's workers (its tensor-parallel rank);
+        local_rank: among those on this machine (which device it takes)."""
         self.vllm_config = vllm_config
+        self.rank = rank
+        self.local_rank = local_rank
         self.device = torch.device(vllm_config.device_config.device)
-        if self.device.type == "cpu":
-            configure_allocator()
-        torch.manual_seed(vllm_config.model_config.seed)
-        self.model_runner = ModelRunner(vllm_config, self.device)
+        self.platform = get_platform(self.device.type)
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        self.platform.init_process()
+        torch.manual_seed(self.vllm_config.model_config.seed)
+        self.model_runner = ModelRunner(self.vllm_config, self.device, self.platform)
 
     def load_model(self) -> None:
         start = time.perf_counter()
-        self.model_runner.load_model()
-        num_params = sum(p.numel() for p in self.model_runner.model.parameters())
+        runner = self._runner()
+        runner.load_model()
+        num_params = sum(p.numel() for p in runner.model.parameters())
         logger.info(
             "Loaded %s (%.1fM parameters, %s) on %s in %.2f s",
             self.vllm_config.model_config.architecture, num_params / 1e6,
             self.vllm_config.model_config.dtype, self.device, time.perf_counter() - start,
         )
 
-    def determine_num_available_blocks(self) -> int:
-        """How many KV blocks fit in the memory budget (capped at what can ever be used)."""
-        cache_config = self.vllm_config.cache_config
-        sched_config = self.vllm_config.scheduler_config
-        if cache_config.num_gpu_blocks_override is not None:
-            return cache_config.num_gpu_blocks_override
-        bytes_per_block = self.model_runner.kv_cache_bytes_per_block()
-        if cache_config.kv_cache_memory_bytes is not None:
-            budget = cache_config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget(cache_config.gpu_memory_utilization)
-        else:
-            budget = int(cache_config.cpu_kvcache_space_gib * GiB)
-        num_blocks = budget // bytes_per_block
-        # More blocks than max_num_seqs full-length requests can use would only waste memory.
-        max_useful = sched_config.max_num_seqs * cdiv(sched_config.max_model_len, cache_config.block_size) + 1
-        return int(min(num_blocks, max_useful))
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self._runner().get_kv_cache_spec()
 
-    def _cuda_kv_budget(self, utilization: float) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.model_runner.profile_run()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory used by others (other processes, the CUDA context) is not ours to take.
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * utilization - peak - non_torch)
+    def determine_available_memory(self) -> int:
+        """Bytes this worker's KV cache may take (on CUDA after a profiling run of the biggest step)."""
+        return self.platform.kv_cache_memory_bytes(self.vllm_config.cache_config, self._runner().profile_run)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
-        block_size = self.vllm_config.cache_config.block_size
-        size = num_blocks * self.model_runner.kv_cache_bytes_per_block()
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Allocate the KV cache of kv_cache_configs[rank] (every worker gets all of them)."""
+        kv_cache_config = kv_cache_configs[self.rank]
+        self._runner().initialize_kv_cache(kv_cache_config)
+        num_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB",
-            num_blocks, block_size, num_blocks * block_size, size / GiB,
+            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB, %d group(s)",
+            kv_cache_config.num_blocks, kv_cache_config.block_size,
+            kv_cache_config.num_blocks * kv_cache_config.block_size, num_bytes / GiB,
+            len(kv_cache_config.kv_cache_groups),
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        return self._runner().execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """A worker in the engine process is alive while the engine is."""
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("init_device() must run first")
+        return self.model_runner

@@ -1,6 +1,6 @@
 """The C++ CPU paged attention (attention/cpu_paged.py; csrc/paged_attention.cpp for decodes,
 csrc/paged_prefill_attention.cpp for prefills) against the float64 formula, against the torch
-reference on the same cache, and the backend choice."""
+reference on the same cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from attention_utils import run_step
 
-from minivllm.attention.backend import CommonAttentionMetadata, get_attn_backend
+from minivllm.attention.backend import CommonAttentionMetadata
 from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
 from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache
 from minivllm.ops import cpu_kernels
@@ -171,30 +171,3 @@ def _step_output(backend) -> torch.Tensor:
     q = torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16)
     k = torch.randn(3, 3, 64, generator=gen).to(torch.bfloat16)
     return backend.forward(q, k, k.clone(), cache, backend.build_metadata(common), 0.125)
-
-
-def test_backend_choice(monkeypatch):
-    cpu = torch.device("cpu")
-    assert isinstance(get_attn_backend(cpu, torch.bfloat16, 64), CpuPagedAttentionBackend)
-    assert isinstance(get_attn_backend(cpu, torch.float32, 128), CpuPagedAttentionBackend)
-    # Shapes or dtypes the kernels do not cover fall back to the reference.
-    assert type(get_attn_backend(cpu, torch.float32, 16)) is TorchRefAttentionBackend
-    assert type(get_attn_backend(cpu, torch.float16, 64)) is TorchRefAttentionBackend
-    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
-    assert type(get_attn_backend(cpu, torch.bfloat16, 64)) is TorchRefAttentionBackend
-    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "CPU_PAGED")
-    with pytest.raises(RuntimeError, match="head_dim 16"):
-        get_attn_backend(cpu, torch.float32, 16)
-    monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "FLASH")
-    with pytest.raises(ValueError, match="TORCH_REF or CPU_PAGED"):
-        get_attn_backend(cpu, torch.float32, 64)
-
-
-def test_unbuilt_kernels_fall_back(monkeypatch, tmp_path):
-    """Without a build for this source (a fresh cache root), auto selection takes the reference
-    backend rather than compiling at start-up."""
-    monkeypatch.setattr(cpu_kernels, "_loaded", False)
-    monkeypatch.setenv("MINIVLLM_CACHE_ROOT", str(tmp_path))
-    assert not cpu_kernels.library_path().exists()
-    assert type(get_attn_backend(torch.device("cpu"), torch.bfloat16, 64)) is TorchRefAttentionBackend
-    assert not any(tmp_path.iterdir())

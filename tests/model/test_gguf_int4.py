@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_utils import model_runner
 from reference import check_logprobs_close, hf_greedy, smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.gguf_loader import iterate_gguf_q4_1, iterate_gguf_weights
-from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, int4_kernel_available
+from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight
+from minivllm.platforms import get_platform
 
-pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="torch lacks the int4 CPU kernel")
+pytestmark = pytest.mark.skipif(not get_platform("cpu").use_gguf_quantized_linear(torch.bfloat16), reason="torch lacks the int4 CPU kernel")
 
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
          "model.layers.3.mlp.up_proj.weight", "model.layers.29.mlp.down_proj.weight")
@@ -121,7 +123,7 @@ def test_int4_codes_kept_only_for_bfloat16_when_enabled(monkeypatch, dtype, enab
     only the exact dequantized weights."""
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model object
     llm = LLM(str(smollm2_gguf_path()), dtype=dtype, gguf_int4_decode=enabled, max_model_len=256)
-    model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+    model = model_runner(llm).model
     projections = [p for layer in model.model.layers
                    for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                              layer.mlp.down_proj)]

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention.backend import get_attn_backend
+from minivllm.attention.selector import get_attn_backend
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.model.layers.linear import Linear, QKVLinear, linear, packed_linear_available
+from minivllm.model.layers.linear import Linear, QKVLinear, linear
 from minivllm.model.loader import get_model
+from minivllm.platforms import get_platform
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not packed_linear_available(CPU, torch.bfloat16),
+pytestmark = pytest.mark.skipif(not get_platform("cpu").use_packed_linear(torch.bfloat16),
                                 reason="torch built without oneDNN")
 
 
@@ -53,7 +54,7 @@ def test_packed_linear_equals_f_linear(rows):
 
 def _model(model_dir, dtype: str):
     config = EngineArgs(model=str(model_dir), dtype=dtype).create_engine_config().model_config
-    return get_model(config, CPU, get_attn_backend(CPU, getattr(torch, dtype), config.get_head_size()))
+    return get_model(config, CPU, get_attn_backend(get_platform("cpu"), getattr(torch, dtype), config.get_head_size()))
 
 
 @pytest.mark.parametrize("tied", [False, True])

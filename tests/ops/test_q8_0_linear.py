@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_utils import model_runner
 from reference import smollm2_gguf_path
 
 from minivllm import LLM
@@ -76,7 +77,7 @@ def test_model_uses_q8_0_lm_head_for_few_rows(monkeypatch, lm_head, dtype, kerne
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model object
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", kernels_on)
     llm = LLM(str(smollm2_gguf_path()), dtype=dtype, max_model_len=256)
-    model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+    model = model_runner(llm).model
     assert (model.lm_head_q8_0 is not None) == expected
     if expected:
         _, dense = lm_head

@@ -1,7 +1,7 @@
-"""The sampler's row-wise argmax (ops/csrc/argmax.cpp on CPU) against numpy's argmax, which has
-the same contract as torch's: the first index of the maximum, or of the first NaN. Row lengths
-around the vector width, ties, infinities, NaN, strided rows; bad inputs are refused; inputs
-the kernel does not take go to torch."""
+"""The sampler's row-wise argmax on CPU (ops/csrc/argmax.cpp, chosen by platforms/cpu.py) against
+numpy's argmax, which has the same contract as torch's: the first index of the maximum, or of
+the first NaN. Row lengths around the vector width, ties, infinities, NaN, strided rows; bad
+inputs are refused; inputs the kernel does not take go to torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from minivllm.ops import cpu_kernels
-from minivllm.sample.sampler import argmax
+from minivllm.platforms import get_platform
+
+argmax = get_platform("cpu").argmax
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,7 +84,7 @@ def test_bad_inputs_are_refused():
         ops.argmax_rows(torch.randn(3, 0))
 
 
-def test_sampler_argmax_picks_the_kernel_only_where_it_runs(monkeypatch):
+def test_cpu_platform_argmax_picks_the_kernel_only_where_it_runs(monkeypatch):
     calls = []
     kernel = torch.ops.minivllm_cpu.argmax_rows
 

@@ -1,5 +1,6 @@
 """Penalties, logit_bias, allowed_token_ids, bad_words and min_tokens, each against a plain
-numpy/Python formula on crafted logits, through the worker's SamplingBatch and the Sampler."""
+numpy/Python formula on crafted logits, through the worker's persistent batch (its SamplingBatch
+reads each row's tokens from the InputBatch) and the Sampler."""
 
 from __future__ import annotations
 
@@ -10,18 +11,24 @@ import torch
 from minivllm.sample.logits_processors import banned_bad_words
 from minivllm.sample.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.input_batch import CachedRequestState, InputBatch
 from minivllm.worker.sampling_batch import SamplingBatch
 
 VOCAB = 12
 EOS = 11
 
 
-def make_batch(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> SamplingBatch:
-    """rows: (params, prompt ids, output ids so far)."""
-    batch = SamplingBatch(max_num_reqs=8, vocab_size=VOCAB, device=torch.device("cpu"))
-    for row, (params, prompt, output) in enumerate(rows):
-        batch.add_row(row, params, None, EOS, prompt, output)
+def make_input_batch(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> InputBatch:
+    """rows: (params, prompt ids, output ids so far); request i gets id str(i)."""
+    batch = InputBatch(max_num_reqs=8, max_model_len=32, max_num_batched_tokens=32, block_sizes=[4],
+                       vocab_size=VOCAB, device=torch.device("cpu"))
+    for i, (params, prompt, output) in enumerate(rows):
+        batch.add_request(CachedRequestState(str(i), prompt, params, EOS, None, ([],), 0, list(output)))
     return batch
+
+
+def make_batch(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> SamplingBatch:
+    return make_input_batch(rows).sampling
 
 
 def processed(batch: SamplingBatch, logits: np.ndarray, rows: list[int]) -> np.ndarray:
@@ -61,16 +68,15 @@ def test_penalties_match_formula(logits):
 
 
 def test_output_counts_follow_sampled_tokens_and_row_moves(logits):
-    """Counts are updated incrementally; a row moved by a removal keeps its counts."""
+    """Counts are updated incrementally, several tokens per step too; a row moved by a removal
+    keeps its counts and its tokens."""
     p = SamplingParams(frequency_penalty=1.0)
-    batch = make_batch([(SamplingParams(), [1], []), (p, [2], [])])
-    outputs = batch.output_ids[1]
-    for token in (4, 4, 6):
-        outputs.append(token)
-        batch.record_sampled(np.array([1]), torch.tensor([token]))
-    batch.move_row(1, 0)
-    batch.clear_row(1)
-    out = processed(batch, logits, [0])
+    batch = make_input_batch([(SamplingParams(), [1], []), (p, [2], [])])
+    batch.append_sampled_token_ids(np.array([1, 0]), [[4, 4], [9]])
+    batch.append_sampled_token_ids(np.array([1]), [[6]])
+    batch.remove_request("0")  # request "1" moves to row 0
+    assert batch.output_token_ids(0) == [4, 4, 6]
+    out = processed(batch.sampling, logits, [0])
     np.testing.assert_allclose(out[0], reference_penalties(logits[0], [2], [4, 4, 6], 1.0, 1.0, 0.0), rtol=1e-6)
 
 

@@ -15,3 +15,9 @@ def assert_engine_idle(llm: LLM) -> None:
 
 def num_preemptions(llm: LLM) -> int:
     return llm.llm_engine.get_scheduler_stats().num_preemptions
+
+
+def model_runner(llm: LLM):
+    """The ModelRunner of an engine whose core runs in this process
+    (MINIVLLM_ENABLE_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner

@@ -1,19 +1,22 @@
 """Decode steps replayed from a trace (worker/decode_graph.py): the same tokens and logprobs as the
 eager forward, bit for bit, for every batch size the one trace serves, with prefills, chunked
 prompts and larger batches still eager around it; a failed trace leaves decoding eager;
-enforce_eager and other steps never trace. (tests/engine/test_greedy_vs_hf.py's head_dim-64 llama
-checks the traced path against transformers too.)"""
+enforce_eager, other steps and backends whose metadata cannot be replayed never trace.
+(tests/engine/test_greedy_vs_hf.py's head_dim-64 llama checks the traced path against
+transformers too.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import model_runner
 from reference import smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention.cpu_paged import CpuPagedMetadata, PagedRows
+from minivllm.attention.backend import GraphSupport
 from minivllm.worker import decode_graph
 from minivllm.worker.decode_graph import MAX_TRACED_ROWS, DecodeGraph
+from minivllm.worker.graph_runner import BatchDescriptor
 
 
 @pytest.fixture(autouse=True)
@@ -21,32 +24,38 @@ def in_process(monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model runner
 
 
-def _runner(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+class _Counting:
+    """A graph runner that records the sizes it replays."""
+
+    def __init__(self, graph_runner: DecodeGraph) -> None:
+        self.graph_runner = graph_runner
+        self.sizes: list[int] = []
+
+    def can_replay(self, batch: BatchDescriptor) -> bool:
+        return self.graph_runner.can_replay(batch)
+
+    def __call__(self, input_ids, positions, attn_metadata):
+        self.sizes.append(input_ids.shape[0])
+        return self.graph_runner(input_ids, positions, attn_metadata)
 
 
 def _generate(llm: LLM) -> list:
     """Ten requests finishing one after another, so decode steps run every batch size from 10
     down to 1; one long prompt is chunked (max_num_batched_tokens) beside running decodes."""
-    sizes = []
-    runner = _runner(llm)
-    forward = runner.forward
-
-    def counting(input_ids, positions, attn_metadata, logits_indices=None):
-        if decode_graph._decode_only(attn_metadata, input_ids.shape[0]):
-            sizes.append(input_ids.shape[0])
-        return forward(input_ids, positions, attn_metadata, logits_indices)
-
-    runner.forward = counting
+    runner = model_runner(llm)
+    graph_runner = runner.graph_runner
+    if graph_runner is not None:
+        runner.graph_runner = counting = _Counting(graph_runner)
     gen = torch.Generator().manual_seed(0)
     lengths = (5, 17, 200, 9, 33, 3, 64, 12, 1, 40)
     prompts = [{"prompt_token_ids": torch.randint(10, 40000, (n,), generator=gen).tolist()} for n in lengths]
     params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=3)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    runner.forward = forward
-    if not runner.model_config.enforce_eager:  # the replayed steps took every size up to the bound
-        assert set(sizes) == set(range(1, MAX_TRACED_ROWS + 1))
+    if graph_runner is not None:
+        runner.graph_runner = graph_runner
+        if graph_runner.graph is not None:  # the replayed steps took every size up to the bound
+            assert set(counting.sizes) == set(range(1, MAX_TRACED_ROWS + 1))
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -63,13 +72,22 @@ def test_traced_decode_equals_eager(make_tiny_model, arch, dtype):
     llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=96)
     traced = _generate(llm)
     assert traced == eager
-    assert isinstance(_runner(llm).forward.graph, torch.jit.ScriptModule)
+    assert isinstance(model_runner(llm).graph_runner.graph, torch.jit.ScriptModule)
 
 
 def test_enforce_eager_runs_the_model(make_tiny_model):
     llm = LLM(str(make_tiny_model("llama", head_dim=64)), dtype="bfloat16", enforce_eager=True)
-    runner = _runner(llm)
-    assert runner.forward is runner.model
+    assert model_runner(llm).graph_runner is None
+
+
+def test_reference_backend_steps_stay_eager(make_tiny_model):
+    """head_dim 16: the torch reference backend, whose metadata is per-step Python structure; no
+    step may replay a recording (GraphSupport.NEVER)."""
+    llm = LLM(str(make_tiny_model("llama")), dtype="float32")
+    runner = model_runner(llm)
+    assert runner.attn_backend.graph_support == GraphSupport.NEVER
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert not runner.graph_runner.traced
 
 
 def test_failed_trace_leaves_the_size_eager(make_tiny_model, monkeypatch):
@@ -83,28 +101,14 @@ def test_failed_trace_leaves_the_size_eager(make_tiny_model, monkeypatch):
     monkeypatch.setattr(decode_graph.torch.jit, "trace", lambda *a, **k: calls.append(1) or broken_trace())
     llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=96)
     assert _generate(llm) == eager
-    assert _runner(llm).forward.graph is None and calls == [1]  # tried once, then eager
+    assert model_runner(llm).graph_runner.graph is None and calls == [1]  # tried once, then eager
 
 
-def _metadata(num_decodes: int, num_prefills: int) -> CpuPagedMetadata:
-    def rows(n: int) -> PagedRows:
-        return PagedRows(torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.int32),
-                         torch.ones(n, dtype=torch.int32), torch.zeros(n, 1, dtype=torch.int32))
-    return CpuPagedMetadata(torch.zeros(num_decodes + num_prefills, dtype=torch.int64),
-                            rows(num_decodes), rows(num_prefills))
-
-
-def test_only_small_decode_only_steps_are_traced():
-    calls = []
-
-    def model(input_ids, positions, attn_metadata, logits_indices=None):
-        calls.append(input_ids.shape[0])
-        return input_ids
-
-    graph = DecodeGraph(model)
-    graph(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), _metadata(2, 1))
-    n = MAX_TRACED_ROWS + 1
-    graph(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), _metadata(n, 0))
-    graph(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), None)
-    assert not graph.traced  # mixed, too large, profiling run (no metadata): no trace tried
-    assert calls == [3, n, 4]
+def test_only_small_uniform_decode_steps_replay():
+    graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert graph.can_replay(BatchDescriptor(num_tokens=1, uniform_decode=True))
+    assert graph.can_replay(BatchDescriptor(num_tokens=MAX_TRACED_ROWS, uniform_decode=True))
+    assert not graph.can_replay(BatchDescriptor(num_tokens=MAX_TRACED_ROWS + 1, uniform_decode=True))
+    assert not graph.can_replay(BatchDescriptor(num_tokens=3, uniform_decode=False))  # a prefill in it
+    never = DecodeGraph(model=None, graph_support=GraphSupport.NEVER)
+    assert not never.can_replay(BatchDescriptor(num_tokens=1, uniform_decode=True))

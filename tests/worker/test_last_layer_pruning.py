@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_utils import assert_engine_idle
+from engine_utils import assert_engine_idle, model_runner
 from reference import check_logprobs_close, hf_greedy, load_hf_model
 
 from minivllm import LLM, SamplingParams
@@ -33,7 +33,7 @@ def case(make_tiny_model):
 
 def run_counting_rows(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     """The outputs, and (first layer rows, last layer rows) of every forward."""
-    model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+    model = model_runner(llm).model
     first, last = model.model.layers[0].mlp.down_proj, model.model.layers[-1].mlp.down_proj
     rows: list[list[int]] = []
     hooks = [

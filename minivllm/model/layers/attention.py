@@ -1,7 +1,8 @@
 """The attention layer as the model sees it: q/k/v in, context out; paging is the backend's job.
 
-Each layer owns a view of its KV cache (bound by the worker after the cache is allocated) and
-calls the step's backend with the metadata built once for all layers. With no metadata (the
+Each layer states how it uses the KV cache (get_kv_cache_spec: full attention), owns a view of
+its cache and knows its KV cache group (both bound by the model runner once the cache is
+allocated), and calls the backend with its group's metadata for the step. With no metadata (the
 worker's memory-profiling run) it is plain causal attention over the whole batch.
 """
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
+from minivllm.core.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 
 class Attention(nn.Module):
@@ -26,9 +28,16 @@ class Attention(nn.Module):
         self.backend = backend
         # Shaped by the backend's get_kv_cache_shape; bound by ModelRunner.initialize_kv_cache.
         self.kv_cache = torch.empty(0)
+        self.kv_cache_group_id = 0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """q [T, heads * head_dim], k and v [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
+    def get_kv_cache_spec(self, block_size: int, dtype: str) -> KVCacheSpec:
+        return FullAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: tuple[Any, ...] | None
+    ) -> torch.Tensor:
+        """q [T, heads * head_dim], k and v [T, kv_heads * head_dim] -> [T, heads * head_dim].
+        attn_metadata: one backend metadata per KV cache group."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -39,5 +48,5 @@ class Attention(nn.Module):
                 is_causal=True, scale=self.scale, enable_gqa=True,
             ).transpose(0, 1)
         else:
-            out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale)
+            out = self.backend.forward(q, k, v, self.kv_cache, attn_metadata[self.kv_cache_group_id], self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -2,9 +2,10 @@
 C++ CPU kernel (forward_cpu, minivllm/ops), as vLLM's CustomOp.
 
 The choice is made once, when the layer is built: the model is constructed under its device and
-dtype as torch defaults (model/loader.py), so a layer built for a CPU in float32 or bfloat16
-takes the kernel when the kernels are built and enabled, and a layer built for CUDA never does.
-Subclasses narrow the choice further (a hidden size the kernel's vector width divides).
+dtype as torch defaults (model/loader.py), and the platform of that device says whether its
+kernels serve that dtype (platforms/: on CPU in float32 or bfloat16 when the kernels are built
+and enabled; never on CUDA yet). Subclasses narrow the choice further (a hidden size the
+kernel's vector width divides).
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.ops import cpu_kernels
+from minivllm.platforms import get_platform
 
 
 class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.use_cpu_kernels = (
-            torch.get_default_device().type == "cpu"
-            and torch.get_default_dtype() in (torch.float32, torch.bfloat16)
-            and cpu_kernels.enabled()
-        )
+        platform = get_platform(torch.get_default_device().type)
+        self.use_cpu_kernels = platform.use_custom_kernels(torch.get_default_dtype())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.use_cpu_kernels:

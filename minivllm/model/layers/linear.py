@@ -7,7 +7,8 @@ into its rows. A layer loaded from GGUF Q4_1 also keeps the int4 codes and uses 
 of few rows (see quant.py).
 
 On CPU in bfloat16, F.linear runs oneDNN, which re-blocks the [out, in] weight into its GEMM
-layout on every call. `process_weights_after_loading` does that once: the weight becomes oneDNN's
+layout on every call. Where the platform says so (platforms/cpu.py: use_packed_linear),
+`process_weights_after_loading` does that once: the weight becomes oneDNN's
 packed tensor (same memory) and `linear` calls oneDNN's linear on it, through minivllm's
 packed_linear op (ops/csrc/packed_linear.cpp), which decode traces can record. Same results bit
 for bit; per call 2x faster at 1 row, 1.6x at 8, 1.1-1.2x at 64-512 rows (2-core AVX-512 CPU).
@@ -19,17 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm import envs
 from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Tiles, Q4_1Weight, pack_q4_1
-from minivllm.ops import cpu_kernels
-
-
-def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether weights can be pre-packed for oneDNN: CPU, bfloat16 (float32 keeps F.linear, whose
-    MKL GEMM is what the reference implementation runs), the switch on, and minivllm's kernels
-    built and on (packed_linear)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and envs.cpu_packed_linear()
-            and torch.backends.mkldnn.is_available() and cpu_kernels.enabled())
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

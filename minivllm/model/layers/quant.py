@@ -103,11 +103,6 @@ def pack_q4_1(shards: list[Q4_1Weight]) -> Q4_1Tiles | Int4Weight | None:
     return Int4Weight.from_q4_1(shards)
 
 
-def int4_kernel_available() -> bool:
-    """Whether a Q4_1 layer can run from its codes: torch's int4 kernel, the fallback, exists."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
 # Rows up to which the Q8_0 kernel is used (a 49152x576 lm_head, 2-core AVX-512 CPU: 0.85 ms
 # against 3.0 ms for the bfloat16 matmul at 1 row, 1.2 vs 3.1 at 4, even at 8).
 Q8_0_MAX_ROWS = 8

@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         rope_tables: Any,
         hidden_states: torch.Tensor,
         attn_metadata: Any,
-        output_rows: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -74,8 +74,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(rope_tables, q, k)
         out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v, attn_metadata)
-        if output_rows is not None:
-            out = out[output_rows]
+        if logits_indices is not None:
+            out = out[logits_indices]
         return self.o_proj(out)
 
 
@@ -111,18 +111,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         attn_metadata: Any,
-        output_rows: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """output_rows: the rows to carry past attention (all when None). Every row's K/V is
+        """logits_indices: the rows to carry past attention (all when None). Every row's K/V is
         written and attended; only these go through o_proj and the MLP."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata, output_rows)
-        if output_rows is not None:
-            residual = residual[output_rows]
+        hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata, logits_indices)
+        if logits_indices is not None:
+            residual = residual[logits_indices]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -155,8 +155,9 @@ class LlamaModel(nn.Module):
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            output_rows = logits_indices if i == last else None
-            hidden_states, residual = layer(rope_tables, hidden_states, residual, attn_metadata, output_rows)
+            hidden_states, residual = layer(
+                rope_tables, hidden_states, residual, attn_metadata, logits_indices if i == last else None
+            )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -195,9 +196,6 @@ class LlamaForCausalLM(nn.Module):
         """Pack the tied lm_head for oneDNN (an untied one is a Linear, which packs itself)."""
         if self.tie_word_embeddings:
             self.lm_head_packed = pack_linear_weight(self.lm_head.weight)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""

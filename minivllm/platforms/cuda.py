@@ -1,0 +1,39 @@
+"""The CUDA platform: torch's kernels and the reference attention backend for now (Triton
+attention and CUDA graphs plug in here), and a KV cache sized from the memory a profiling run
+leaves free under gpu_memory_utilization, as vLLM does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from minivllm.config import CacheConfig
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+
+    def use_custom_kernels(self, dtype: torch.dtype) -> bool:
+        return False
+
+    def attention_backend_names(self, dtype: torch.dtype, head_size: int) -> list[str]:
+        return ["TORCH_REF"]
+
+    def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
+        if cache_config.kv_cache_memory_bytes is not None:
+            return cache_config.kv_cache_memory_bytes
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        profile_run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        # Memory used by others (other processes, the CUDA context) is not ours to take.
+        non_torch = total - free - torch.cuda.memory_reserved(device)
+        return int(total * cache_config.gpu_memory_utilization - peak - non_torch)

@@ -1,0 +1,52 @@
+"""The executor seam: the engine core builds its executor only through Executor.get_class, the
+uni executor's worker answers the V1 worker calls by name (collective_rpc), and what does not
+exist yet (tensor or data parallel, the mp and ray executors) is refused before any engine
+starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.config import ParallelConfig
+from minivllm.core.kv_cache_interface import FullAttentionSpec
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.core import EngineCore
+from minivllm.executor.abstract import Executor
+from minivllm.executor.uniproc_executor import UniProcExecutor
+
+
+@pytest.fixture(scope="module")
+def engine_core(make_tiny_model):
+    config = EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", kv_cache_memory_bytes=1 << 20,
+                        max_model_len=256).create_engine_config()
+    core = EngineCore(config)
+    yield core
+    core.shutdown()
+
+
+def test_get_class_picks_the_uni_executor(engine_core):
+    assert Executor.get_class(engine_core.vllm_config) is UniProcExecutor
+    assert type(engine_core.model_executor) is UniProcExecutor
+
+
+def test_workers_answer_by_method_name(engine_core, make_tiny_model):
+    """The tiny Llama: 2 layers, 2 KV heads of 16 dims, float32, blocks of 16 tokens."""
+    executor = engine_core.model_executor
+    [specs] = executor.get_kv_cache_specs()
+    assert specs == {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(16, 2, 16, "float32") for i in range(2)}
+    assert executor.determine_available_memory() == [1 << 20]
+    # 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes = 4 KiB per layer and block, 2 layers.
+    assert engine_core.vllm_config.cache_config.num_gpu_blocks == (1 << 20) // (2 * 4096)
+    assert executor.collective_rpc("check_health") == [None]
+
+
+@pytest.mark.parametrize("fields", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2},
+                                    {"distributed_executor_backend": "mp"}, {"distributed_executor_backend": "ray"}])
+def test_what_does_not_exist_is_refused_at_configuration(fields):
+    with pytest.raises(ValueError, match="minivllm runs one worker in one engine core for now"):
+        ParallelConfig(**fields)
+
+
+def test_unknown_backend_refused():
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni, mp, ray, got 'gloo'"):
+        ParallelConfig(distributed_executor_backend="gloo")

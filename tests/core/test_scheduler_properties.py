@@ -34,7 +34,7 @@ from core_utils import (
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.utils import cdiv
 from minivllm.core.request import FinishReason, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
 

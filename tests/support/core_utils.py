@@ -133,6 +133,7 @@ def create_requests(
     *,
     ignore_eos: bool = False,
     stop_token_ids: list[int] | None = None,
+    min_tokens: int = 0,
     logprobs: int | None = None,
     eos_token_id: int | None = EOS_TOKEN_ID,
     id_prefix: str = "",
@@ -163,6 +164,7 @@ def create_requests(
             max_tokens=n_out,
             ignore_eos=ignore_eos,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

@@ -8,10 +8,15 @@ same by hand.
 
 from __future__ import annotations
 
-import pytest
-from core_utils import create_kv_cache_manager, create_requests
+from dataclasses import dataclass, replace
 
+import pytest
+from core_utils import create_kv_cache_manager, create_requests, make_kv_cache_config
+
+from minivllm.core.kv_cache_coordinator import KVCacheCoordinator
+from minivllm.core.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.single_type_kv_cache_manager import FullAttentionManager, spec_manager_map
 from minivllm.utils import cdiv
 
 
@@ -263,3 +268,53 @@ def test_two_groups_free_every_group_tail_first():
     assert kv.block_pool.free_block_queue.block_ids() == [6, 5, 3, 4, 1, 2, 7, 8, 9, 10]
     assert kv.get_block_ids("0") == ([], []) and kv.usage == 0.0
     assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks[1:])
+
+
+@dataclass(frozen=True)
+class _PairSpec(FullAttentionSpec):
+    """A made-up kind of layer whose cache hits come in pairs of blocks."""
+
+
+class _PairManager(FullAttentionManager):
+    """Rounds the full attention hit down to an even number of blocks, and records the
+    longest hit it was asked for each time."""
+
+    asked: list[int] = []
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        self.asked.append(max_length)
+        hit = super().find_longest_cache_hit(block_hashes, max_length)
+        return hit[: len(hit) // 2 * 2]
+
+
+@pytest.mark.parametrize(
+    ("num_cached", "max_length", "asked", "num_hit_blocks"),
+    [
+        # Full attention hits 3 blocks, pairs 2: both are asked again within 8 tokens.
+        ((3, 3), 13, [13, 8], 2),
+        # 1 block within 7 tokens; pairs round it to 0.
+        ((3, 3), 7, [7, 0], 0),
+        ((2, 1), 13, [13, 0], 0),
+        # Full attention 1 block, pairs 2; within 4 tokens pairs have 0: three passes.
+        ((1, 3), 13, [13, 4, 0], 0),
+        ((4, 4), 17, [17], 4),  # they agree at once
+    ],
+)
+def test_cache_hit_is_asked_again_until_all_groups_agree(
+    monkeypatch, num_cached, max_length, asked, num_hit_blocks
+):
+    monkeypatch.setitem(spec_manager_map, _PairSpec, _PairManager)
+    monkeypatch.setattr(_PairManager, "asked", [])
+    config = make_kv_cache_config(num_blocks=20, block_size=4, num_groups=2)
+    pair_spec = _PairSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")
+    groups = (config.kv_cache_groups[0], KVCacheGroupSpec(("pair_layer",), pair_spec))
+    coordinator = KVCacheCoordinator(replace(config, kv_cache_groups=groups))
+    pool = coordinator.block_pool
+    hashes = [b"h0", b"h1", b"h2", b"h3", b"h4"]
+    for group_id, n in enumerate(num_cached):
+        pool.cache_full_blocks(pool.get_new_blocks(n), hashes[:n], group_id)
+    hit, num_hit_tokens = coordinator.find_longest_cache_hit(hashes, max_length)
+    assert _PairManager.asked == asked
+    assert num_hit_tokens == 4 * num_hit_blocks
+    for group_id, blocks in enumerate(hit):
+        assert blocks == [pool.get_cached_block(h, group_id) for h in hashes[:num_hit_blocks]]

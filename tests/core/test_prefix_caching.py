@@ -512,6 +512,58 @@ def check_hash_map(kv: KVCacheManager) -> None:
     assert sum(b.block_hash is not None for b in kv.block_pool.blocks) == len(cache)
 
 
+# ---- several KV cache groups --------------------------------------------------------------------
+
+
+def test_two_groups_cache_and_hit_their_own_blocks():
+    kv = _manager(block_size=4, num_groups=2)
+    prompt = _tokens(9)
+    a = _request(prompt, "a")
+    assert _admit_groups(kv, a) == (([], []), 0, ([1, 2, 3], [4, 5, 6]))
+    h = a.block_hashes
+    # The same content is a different block in each group: one cache entry per group.
+    cache = kv.block_pool.cached_block_hash_to_block
+    assert {key: block.block_id for key, block in cache.items()} == {
+        (h[0], 0): 1,
+        (h[1], 0): 2,
+        (h[0], 1): 4,
+        (h[1], 1): 5,
+    }
+    b = _request(prompt[:8] + [7, 7, 7], "b")
+    assert _admit_groups(kv, b) == (([1, 2], [4, 5]), 8, ([7], [8]))
+    assert _refs(kv, range(1, 9)) == [2, 2, 1, 2, 2, 1, 1, 1]
+    kv.free(a)
+    kv.free(b)
+    assert kv.get_num_free_blocks() == 20 and _refs(kv, range(1, 21)) == [0] * 20
+    check_hash_map(kv)
+
+
+def test_two_groups_hit_only_the_prefix_both_have_cached():
+    kv = _manager(num_blocks=13, block_size=4, num_groups=2)  # 12 usable blocks
+    pool = kv.block_pool
+    prompt = _tokens(9)
+    a = _request(prompt, "a")
+    _admit_groups(kv, a)  # ([1, 2, 3], [4, 5, 6]); 1, 2 and 4, 5 are full and cached
+    kv.free(a)
+    assert _free_ids(pool) == [6, 3, 7, 8, 9, 10, 11, 12, 2, 1, 5, 4]
+    taken = pool.get_new_blocks(9)  # up to block 2: evicts group 0's second block
+    assert taken[-1] is pool.blocks[2]
+    b = _request(prompt, "b")
+    hit, num_hit = kv.get_computed_blocks(b)
+    # Group 0 has only its first block, group 1 both: the hit is what both groups have.
+    assert [[block.block_id for block in blocks] for blocks in hit.blocks] == [[1], [4]]
+    assert num_hit == 4
+    pool.free_blocks(taken)  # uncached: to the head, one after the other
+    assert _free_ids(pool) == [2, 12, 11, 10, 9, 8, 7, 3, 6, 1, 5, 4]
+    assert kv.allocate_slots(b, 5, hit) == ([2, 12], [11, 10])
+    # b caches its second block again in group 0; group 1 still has it (block 5), so b's
+    # copy there stays uncached.
+    assert pool.get_cached_block(b.block_hashes[1], 0) is pool.blocks[2]
+    assert pool.get_cached_block(b.block_hashes[1], 1) is pool.blocks[5]
+    assert pool.blocks[11].block_hash is None
+    check_hash_map(kv)
+
+
 # ---- Scheduler --------------------------------------------------------------------------------
 
 

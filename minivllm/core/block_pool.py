@@ -8,10 +8,10 @@ somewhere harmless.
 
 With prefix caching, a full block keeps its hash after its last user frees it: it sits in the
 free queue with its content intact, and a later request with the same prefix can take it back
-(touch). The prefix cache is keyed by (block hash, KV cache group id): the same tokens give
-each group its own block (different layers, different KV), so groups never share a block
-through the cache. The free queue is therefore also the eviction order: blocks are taken from its head
-(least recently freed) and lose their hash only then.
+(touch). The free queue is therefore also the eviction order: blocks are taken from its head
+(least recently freed) and lose their hash only then. The prefix cache is keyed by (block hash,
+KV cache group id): the same tokens give each group its own block (other layers, other KV), so
+groups never share a block through the cache.
 
 A freed block with nothing worth keeping (no hash: prefix caching off, a partly filled last
 block, or after reset_prefix_cache) goes to the head instead, so the queue reads: empty blocks
@@ -151,7 +151,9 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
 
-    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_id: int) -> KVCacheBlock | None:
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_id: int
+    ) -> KVCacheBlock | None:
         """The block that holds this content for this KV cache group, if any."""
         return self.cached_block_hash_to_block.get((block_hash, kv_cache_group_id))
 

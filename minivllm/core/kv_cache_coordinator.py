@@ -59,7 +59,9 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers
         )
 
-    def cache_blocks(self, request: Request, block_hashes: list[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, block_hashes: list[BlockHash], num_tokens: int
+    ) -> None:
         """Enter the blocks that are full once the first `num_tokens` tokens are computed."""
         for manager in self.single_type_managers:
             manager.cache_blocks(request, block_hashes, num_tokens)

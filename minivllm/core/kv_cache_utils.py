@@ -83,7 +83,8 @@ def get_kv_cache_config(
     # NOTE: a block id names one block in every layer, so a block costs the sum of the
     # layers' pages (layers may differ in head count and size).
     bytes_per_block = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
-    num_blocks = _get_num_blocks(cache_config, scheduler_config, available_memory // bytes_per_block)
+    num_blocks_in_memory = available_memory // bytes_per_block
+    num_blocks = _get_num_blocks(cache_config, scheduler_config, num_blocks_in_memory)
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tuple(

@@ -64,7 +64,9 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, block_hashes: list[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, block_hashes: list[BlockHash], num_tokens: int
+    ) -> None:
         """Enter the request's blocks that are full once its first `num_tokens` tokens are
         computed (`block_hashes` covers at least those)."""
         num_full = num_tokens // self.block_size

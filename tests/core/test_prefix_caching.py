@@ -394,7 +394,11 @@ def test_ref_counts_equal_the_number_of_holders():
     reqs = [_request(prefix + [600 + i] * 3, str(i)) for i in range(3)]
     for r in reqs:
         _admit(kv, r)
-    assert [kv.get_block_ids(r.request_id) for r in reqs] == [([1, 2, 3],), ([1, 2, 4],), ([1, 2, 5],)]
+    assert [kv.get_block_ids(r.request_id) for r in reqs] == [
+        ([1, 2, 3],),
+        ([1, 2, 4],),
+        ([1, 2, 5],),
+    ]
     assert _refs(kv, [1, 2, 3, 4, 5]) == [3, 3, 1, 1, 1]
     kv.free(reqs[1])
     assert _refs(kv, [1, 2, 4]) == [2, 2, 0]

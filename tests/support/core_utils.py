@@ -56,7 +56,9 @@ def default_token_fn(req_id: str, output_index: int) -> int:
 # ---- builders ---------------------------------------------------------------------------------
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int = 16, num_groups: int = 1) -> KVCacheConfig:
+def make_kv_cache_config(
+    num_blocks: int, block_size: int = 16, num_groups: int = 1
+) -> KVCacheConfig:
     """A KVCacheConfig of `num_groups` KV cache groups of one full attention layer each.
 
     get_kv_cache_config would put layers of one spec into one group; several groups of the same
@@ -512,7 +514,8 @@ def check_request_invariants(scheduler: Scheduler, max_num_spec_tokens: int = 0)
         assert not any(held_blocks(kv, request.request_id))
     for req_id, request in scheduler.requests.items():
         assert request.request_id == req_id and not request.is_finished()
-        assert 0 <= request.num_computed_tokens <= request.num_tokens_with_spec
+        # Computed tokens may run ahead of the known ones by the drafts handed to the worker.
+        assert 0 <= request.num_computed_tokens <= request.num_tokens + max_num_spec_tokens
         assert request.num_tokens <= scheduler.max_model_len
         for group_id, blocks in enumerate(held_blocks(kv, req_id)):
             # Blocks are allocated exactly for the computed tokens (schedule() advances both),
@@ -535,9 +538,14 @@ def check_output_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= scheduler.max_num_scheduled_tokens
     assert len(so.num_scheduled_tokens) <= scheduler.max_num_running_reqs
-    for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+    assert so.scheduled_spec_decode_tokens.keys() <= so.num_scheduled_tokens.keys()
+    for req_id in so.num_scheduled_tokens:
         # Drafts are the last tokens of the request's scheduled ones, after its known tokens.
         request = scheduler.requests[req_id]
+        drafts = so.scheduled_spec_decode_tokens.get(req_id)
+        if drafts is None:
+            assert request.num_computed_tokens <= request.num_tokens, req_id
+            continue
         assert drafts and len(drafts) < so.num_scheduled_tokens[req_id], (req_id, drafts)
         assert request.num_computed_tokens == request.num_tokens + len(drafts), req_id
         assert request.num_computed_tokens <= scheduler.max_model_len, req_id
@@ -555,7 +563,9 @@ def check_output_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
             request = scheduler.requests[req_id]
             num_drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
             n = num_scheduled - num_drafts
-            assert request.num_computed_tokens - num_drafts == request.num_tokens, "prompt was chunked"
+            assert request.num_computed_tokens - num_drafts == request.num_tokens, (
+                "prompt was chunked"
+            )
             # A decode, or everything not computed yet (from 0, or from a prefix cache hit).
             assert n == 1 or n == request.num_tokens - starts[req_id], (req_id, n)
             if not scheduler.kv_cache_manager.enable_caching:

@@ -180,9 +180,9 @@ class Scheduler:
         request's known ones). The request keeps none: the proposer drafts anew after each step.
         """
         num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+        spec_token_ids, request.spec_token_ids = request.spec_token_ids, []
         if num_spec_tokens > 0:
-            scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec_tokens]
-        request.spec_token_ids = []
+            scheduled_spec_decode_tokens[request.request_id] = spec_token_ids[:num_spec_tokens]
 
     def _schedule_waiting(
         self,

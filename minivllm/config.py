@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.core.kv_cache_utils import HASH_FUNCTIONS
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -82,9 +84,10 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
             )
-        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+        if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise ValueError(
-                f"prefix_caching_hash_algo must be sha256 or builtin, got {self.prefix_caching_hash_algo!r}."
+                f"prefix_caching_hash_algo must be one of {', '.join(HASH_FUNCTIONS)}, "
+                f"got {self.prefix_caching_hash_algo!r}."
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(

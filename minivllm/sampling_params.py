@@ -117,6 +117,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         check(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
               "bad_words must be non-empty strings.")
 
+    def get_stop_token_ids(self, eos_token_id: int | None) -> list[int]:
+        """The token ids that end a request with these params (once min_tokens are out): its
+        stop_token_ids, and EOS unless ignore_eos. The one stop-token rule of the engine: the
+        scheduler stops on them, the sampler bans them before min_tokens."""
+        eos = [] if self.ignore_eos or eos_token_id is None else [eos_token_id]
+        return [*(self.stop_token_ids or ()), *eos]
+
     @property
     def sampling_type(self) -> SamplingType:
         if self.temperature < _SAMPLING_EPS:

@@ -1,14 +1,17 @@
 """The physical KV cache blocks, their free list, and the prefix cache's hash -> block map.
 
-BlockPool owns every KVCacheBlock. It hands out free blocks, takes them back when their
-reference count drops to zero, and knows nothing about requests: KVCacheManager decides which
-request holds which blocks. Block 0 is the null block, never handed out, so that padded block
-tables can point somewhere harmless.
+BlockPool owns every KVCacheBlock, one pool for all KV cache groups. It hands out free blocks,
+takes them back when their reference count drops to zero, and knows nothing about requests: the
+per-group managers (core/single_type_kv_cache_manager.py) decide which request holds which
+blocks. Block 0 is the null block, never handed out, so that padded block tables can point
+somewhere harmless.
 
 With prefix caching, a full block keeps its hash after its last user frees it: it sits in the
 free queue with its content intact, and a later request with the same prefix can take it back
 (touch). The free queue is therefore also the eviction order: blocks are taken from its head
-(least recently freed) and lose their hash only then.
+(least recently freed) and lose their hash only then. The prefix cache is keyed by (block hash,
+KV cache group id): the same tokens give each group its own block (other layers, other KV), so
+groups never share a block through the cache.
 
 A freed block with nothing worth keeping (no hash: prefix caching off, a partly filled last
 block, or after reset_prefix_cache) goes to the head instead, so the queue reads: empty blocks
@@ -21,6 +24,10 @@ ms per MiB in a VM that backs guest memory lazily) and likely still in the CPU c
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.core.kv_cache_utils import BlockHash, BlockHashWithGroupId
 
 
 class KVCacheBlock:
@@ -31,7 +38,8 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | int | None = None  # set while the block is in the prefix cache
+        # The prefix cache key, (block hash, KV cache group id), while the block is cached.
+        self.block_hash: BlockHashWithGroupId | None = None
         # Links of the intrusive free list; None while the block is in use.
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
@@ -115,7 +123,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.ref_cnt = 1  # NOTE: held forever, so it is never freed or handed out.
-        self.cached_block_hash_to_block: dict[bytes | int, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now, cached-but-unused ones included."""
@@ -143,8 +151,11 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
 
-    def get_cached_block(self, block_hash: bytes | int) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_id: int
+    ) -> KVCacheBlock | None:
+        """The block that holds this content for this KV cache group, if any."""
+        return self.cached_block_hash_to_block.get((block_hash, kv_cache_group_id))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to cached blocks; unused ones leave the free queue (no longer evictable)."""
@@ -153,16 +164,19 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes | int]) -> None:
-        """Enter full blocks into the prefix cache under their hashes.
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], kv_cache_group_id: int
+    ) -> None:
+        """Enter full blocks of one KV cache group into the prefix cache under their hashes.
 
-        NOTE: if another block already holds a hash (two requests computed the same prefix at
+        NOTE: if another block already holds a key (two requests computed the same prefix at
         the same time), the existing entry stays and this block remains uncached.
         """
         for block, block_hash in zip(blocks, block_hashes, strict=True):
-            if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
-                block.block_hash = block_hash
-                self.cached_block_hash_to_block[block_hash] = block
+            key = (block_hash, kv_cache_group_id)
+            if block.block_hash is None and key not in self.cached_block_hash_to_block:
+                block.block_hash = key
+                self.cached_block_hash_to_block[key] = block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue, cached

@@ -1,9 +1,15 @@
-"""Block hashes for prefix caching: a full block is identified by everything that shaped its KV.
+"""KV cache helpers of the engine core: block hashes for prefix caching, and the sizing of the
+cache at start-up (get_kv_cache_config).
 
-A block's hash chains its parent block's hash, its own token ids, and extra keys that change the
-KV without changing the tokens (a per-request cache salt; later LoRA ids or multimodal inputs).
-Two requests share a block only if their hashes agree, which, through the chain, means the
-whole prefix up to and including that block is identical. Only full blocks are hashed.
+A full block is identified by everything that shaped its KV. Its hash chains its parent block's
+hash, its own token ids, and extra keys that change the KV without changing the tokens (a
+per-request cache salt; later LoRA ids or multimodal inputs). Two requests share a block only
+if their hashes agree, which, through the chain, means the whole prefix up to and including that
+block is identical. Only full blocks are hashed, once per request for all KV cache groups; the
+prefix cache adds the group id to the key.
+
+get_kv_cache_config turns the workers' per-layer specs and memory budget into the KVCacheConfig
+that the scheduler's KV manager and the workers' cache tensors are both built from.
 """
 
 from __future__ import annotations
@@ -13,10 +19,17 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from minivllm.utils import cdiv
+
 if TYPE_CHECKING:
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.core.kv_cache_interface import KVCacheSpec
     from minivllm.core.request import Request
 
 BlockHash = bytes | int
+# The prefix cache's key: the same content is a different block in each KV cache group.
+BlockHashWithGroupId = tuple[BlockHash, int]
 HashFn = Callable[[BlockHash | None, Sequence[int], tuple[Any, ...]], BlockHash]
 
 
@@ -35,13 +48,8 @@ def builtin_block_hash(parent: BlockHash | None, token_ids: Sequence[int], extra
     return hash((parent, tuple(token_ids), extra_keys))
 
 
+# NOTE: CacheConfig.prefix_caching_hash_algo is checked against these names, once.
 HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_block_hash, "builtin": builtin_block_hash}
-
-
-def get_hash_fn(name: str) -> HashFn:
-    if name not in HASH_FUNCTIONS:
-        raise ValueError(f"Unknown prefix caching hash algorithm {name!r}; choose from {sorted(HASH_FUNCTIONS)}.")
-    return HASH_FUNCTIONS[name]
 
 
 def update_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> list[BlockHash]:
@@ -54,3 +62,75 @@ def update_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> l
         extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
         hashes.append(hash_fn(parent, tokens[i * block_size : (i + 1) * block_size], extra))
     return hashes
+
+
+# ---- sizing the KV cache ------------------------------------------------------------------------
+
+
+def get_kv_cache_config(
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
+    available_memory: int,
+) -> KVCacheConfig:
+    """The KV cache of one worker: its layers' specs (layer name -> spec, in layer order) and
+    the bytes it may use for the cache give the groups, the number of blocks and the tensors.
+
+    Raises ValueError when the layers need several KV cache groups, or when the cache cannot
+    hold one request of max_model_len tokens.
+    """
+    kv_cache_groups = _get_kv_cache_groups(kv_cache_spec)
+    # NOTE: a block id names one block in every layer, so a block costs the sum of the
+    # layers' pages (layers may differ in head count and size).
+    bytes_per_block = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
+    num_blocks_in_memory = available_memory // bytes_per_block
+    num_blocks = _get_num_blocks(cache_config, scheduler_config, num_blocks_in_memory)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tuple(
+            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=(layer_name,))
+            for layer_name, spec in kv_cache_spec.items()
+        ),
+        kv_cache_groups=kv_cache_groups,
+    )
+
+
+def _get_kv_cache_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
+    """One group per distinct group_key, layers in layer order; only one group is supported."""
+    layers_by_key: dict[tuple[object, ...], list[str]] = {}
+    for layer_name, spec in kv_cache_spec.items():
+        layers_by_key.setdefault(spec.group_key, []).append(layer_name)
+    if len(layers_by_key) > 1:
+        raise ValueError(
+            f"The model's layers use the KV cache in {len(layers_by_key)} different ways "
+            f"({', '.join(map(str, layers_by_key))}); they need the hybrid KV cache manager, "
+            "which minivllm does not have yet (issue 24 adds it)."
+        )
+    return tuple(
+        KVCacheGroupSpec(tuple(layer_names), kv_cache_spec[layer_names[0]])
+        for layer_names in layers_by_key.values()
+    )
+
+
+def _get_num_blocks(
+    cache_config: CacheConfig, scheduler_config: SchedulerConfig, num_blocks_in_memory: int
+) -> int:
+    """The blocks the budget holds, capped at what can ever be used; or exactly the override."""
+    block_size = cache_config.block_size
+    blocks_per_request = cdiv(scheduler_config.max_model_len, block_size)
+    if cache_config.num_gpu_blocks_override is not None:
+        num_blocks = cache_config.num_gpu_blocks_override
+    else:
+        # More blocks than max_num_seqs full-length requests can use would only waste memory.
+        max_useful = scheduler_config.max_num_seqs * blocks_per_request + 1
+        num_blocks = min(num_blocks_in_memory, max_useful)
+    if blocks_per_request > num_blocks - 1:
+        # NOTE: this guarantees progress: one request alone always fits, so preemption
+        # can always make room for the oldest running request.
+        raise ValueError(
+            f"The KV cache ({num_blocks - 1} usable blocks of {block_size} "
+            f"tokens) cannot hold one request of max_model_len={scheduler_config.max_model_len} "
+            f"tokens ({blocks_per_request} blocks). Increase the KV cache size or decrease "
+            "max_model_len."
+        )
+    return num_blocks

@@ -1,9 +1,10 @@
 """The scheduler's view of one request: its tokens, progress and state machine.
 
 A Request is created by EngineCore.add_request from an EngineCoreRequest and lives until it
-finishes or is aborted. The scheduler advances `num_computed_tokens` towards `num_tokens` step by
-step (prefill chunks and decode steps are the same thing), appends sampled tokens, and moves it
-through WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
+finishes or is aborted. The scheduler advances `num_computed_tokens` towards
+`num_tokens_with_spec` step by step (prefill chunks, decode steps and the verification of draft
+tokens are the same thing), appends sampled tokens, and moves it through
+WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
 """
 
 from __future__ import annotations
@@ -84,10 +85,18 @@ class Request:
         self.num_cached_tokens = -1
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
+        # Speculative decoding: draft tokens to verify after the last known token in the next
+        # step (empty until a proposer exists); scheduling them hands them to the worker.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus draft tokens: what a running request is scheduled towards."""
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

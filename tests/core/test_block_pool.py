@@ -167,7 +167,7 @@ def test_get_new_blocks_beyond_free_count_raises_and_changes_nothing():
 def test_cached_blocks_are_freed_in_the_order_given():
     pool = BlockPool(6)
     blocks = pool.get_new_blocks(5)  # ids 1..5, queue now empty
-    pool.cache_full_blocks(blocks, ["a", "b", "c", "d", "e"])
+    pool.cache_full_blocks(blocks, ["a", "b", "c", "d", "e"], 0)
     by_id = {b.block_id: b for b in blocks}
     pool.free_blocks([by_id[i] for i in (4, 2, 5)])
     assert pool.free_block_queue.block_ids() == [4, 2, 5]
@@ -183,12 +183,12 @@ def test_empty_blocks_are_reused_before_never_used_and_cached_ones():
     prefix cache could lose and its memory is warm; never-used blocks come next, cached last."""
     pool = BlockPool(8)
     blocks = pool.get_new_blocks(4)  # 1..4; 5, 6, 7 never used
-    pool.cache_full_blocks(blocks[:2], ["a", "b"])
+    pool.cache_full_blocks(blocks[:2], ["a", "b"], 0)
     pool.free_blocks(reversed(blocks))  # as KVCacheManager.free: tail first
     assert pool.free_block_queue.block_ids() == [3, 4, 5, 6, 7, 2, 1]
     _check_links(pool.free_block_queue)
     assert [b.block_id for b in pool.get_new_blocks(6)] == [3, 4, 5, 6, 7, 2]
-    assert pool.get_cached_block("a") is blocks[0] and pool.get_cached_block("b") is None
+    assert pool.get_cached_block("a", 0) is blocks[0] and pool.get_cached_block("b", 0) is None
 
 
 def test_shared_block_is_freed_on_last_reference():

@@ -16,6 +16,7 @@ from core_utils import (
     FIRST_SAMPLED_TOKEN_ID,
     FakeWorker,
     check_invariants,
+    create_kv_cache_manager,
     create_requests,
     create_scheduler,
     run_to_completion,
@@ -26,8 +27,8 @@ from minivllm.config import CacheConfig
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import (
+    HASH_FUNCTIONS,
     builtin_block_hash,
-    get_hash_fn,
     sha256_block_hash,
     update_block_hashes,
 )
@@ -86,13 +87,11 @@ def test_hash_depends_on_parent_tokens_and_extra_keys(fn):
     assert fn(None, [1, 2, 3, 4], ("a",)) == fn(None, [1, 2, 3, 4], ("a",))
 
 
-def test_get_hash_fn():
-    assert get_hash_fn("sha256") is sha256_block_hash
-    assert get_hash_fn("builtin") is builtin_block_hash
+def test_hash_functions_by_name_and_the_config_check():
+    assert HASH_FUNCTIONS == {"sha256": sha256_block_hash, "builtin": builtin_block_hash}
     with pytest.raises(ValueError, match="md5"):
-        get_hash_fn("md5")
-    with pytest.raises(ValueError):
         CacheConfig(prefix_caching_hash_algo="md5")
+    CacheConfig(prefix_caching_hash_algo="builtin")
 
 
 @pytest.mark.parametrize("fn", HASH_FNS, ids=["sha256", "builtin"])
@@ -143,19 +142,19 @@ def test_cache_salt_goes_into_the_first_block_and_the_chain(fn):
 def test_freed_cached_block_keeps_its_hash_and_is_found_again():
     pool = BlockPool(6)
     b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks([b1, b2], [b"h1", b"h2"])
-    assert pool.get_cached_block(b"h1") is b1 and pool.get_cached_block(b"h2") is b2
+    pool.cache_full_blocks([b1, b2], [b"h1", b"h2"], 0)
+    assert pool.get_cached_block(b"h1", 0) is b1 and pool.get_cached_block(b"h2", 0) is b2
     pool.free_blocks([b2, b1])  # tail first
     assert _free_ids(pool) == [3, 4, 5, 2, 1]
-    assert (b1.ref_cnt, b1.block_hash, b2.block_hash) == (0, b"h1", b"h2")
-    assert pool.get_cached_block(b"h1") is b1 and pool.get_cached_block(b"h2") is b2
-    assert pool.get_cached_block(b"h3") is None
+    assert (b1.ref_cnt, b1.block_hash, b2.block_hash) == (0, (b"h1", 0), (b"h2", 0))
+    assert pool.get_cached_block(b"h1", 0) is b1 and pool.get_cached_block(b"h2", 0) is b2
+    assert pool.get_cached_block(b"h3", 0) is None
 
 
 def test_touch_takes_a_ref0_cached_block_out_of_the_free_queue():
     pool = BlockPool(6)
     b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks([b1, b2], [1, 2])
+    pool.cache_full_blocks([b1, b2], [1, 2], 0)
     pool.free_blocks([b2, b1])
     pool.touch([b1])
     assert b1.ref_cnt == 1 and _free_ids(pool) == [3, 4, 5, 2]
@@ -166,7 +165,7 @@ def test_touch_takes_a_ref0_cached_block_out_of_the_free_queue():
     assert b1.ref_cnt == 1 and _free_ids(pool) == [3, 4, 5, 2]  # still in use
     pool.free_blocks([b1])
     assert b1.ref_cnt == 0 and _free_ids(pool) == [3, 4, 5, 2, 1]  # now free, hash kept
-    assert pool.get_cached_block(1) is b1
+    assert pool.get_cached_block(1, 0) is b1
     with pytest.raises(RuntimeError):
         pool.free_blocks([b1])  # double free
     assert _free_ids(pool) == [3, 4, 5, 2, 1] and b1.ref_cnt == 0
@@ -175,29 +174,29 @@ def test_touch_takes_a_ref0_cached_block_out_of_the_free_queue():
 def test_eviction_from_the_free_queue_head_drops_the_hash():
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(4)  # 1, 2, 3, 4
-    pool.cache_full_blocks(blocks, ["a", "b", "c", "d"])
+    pool.cache_full_blocks(blocks, ["a", "b", "c", "d"], 0)
     pool.free_blocks([blocks[2], blocks[0], blocks[3], blocks[1]])
     assert _free_ids(pool) == [3, 1, 4, 2]
     (evicted,) = pool.get_new_blocks(1)
     assert evicted.block_id == 3 and evicted.block_hash is None and evicted.ref_cnt == 1
-    assert pool.get_cached_block("c") is None
-    assert set(pool.cached_block_hash_to_block) == {"a", "b", "d"}
+    assert pool.get_cached_block("c", 0) is None
+    assert set(pool.cached_block_hash_to_block) == {("a", 0), ("b", 0), ("d", 0)}
     e1, e2 = pool.get_new_blocks(2)
     assert (e1.block_id, e2.block_id) == (1, 4)
-    assert pool.get_cached_block("a") is None and pool.get_cached_block("d") is None
-    assert pool.get_cached_block("b") is blocks[1] and _free_ids(pool) == [2]
+    assert pool.get_cached_block("a", 0) is None and pool.get_cached_block("d", 0) is None
+    assert pool.get_cached_block("b", 0) is blocks[1] and _free_ids(pool) == [2]
     # An evicted block is a plain new block: it can be cached again under another hash.
-    pool.cache_full_blocks([evicted], ["z"])
-    assert pool.get_cached_block("z") is evicted
+    pool.cache_full_blocks([evicted], ["z"], 0)
+    assert pool.get_cached_block("z", 0) is evicted
     with pytest.raises(ValueError):
         pool.get_new_blocks(2)
-    assert _free_ids(pool) == [2] and pool.get_cached_block("b") is blocks[1]
+    assert _free_ids(pool) == [2] and pool.get_cached_block("b", 0) is blocks[1]
 
 
 def test_a_block_is_never_both_free_and_in_use():
     pool = BlockPool(4)
     b1, b2, b3 = pool.get_new_blocks(3)
-    pool.cache_full_blocks([b1], ["x"])
+    pool.cache_full_blocks([b1], ["x"], 0)
     pool.free_blocks([b1])
     pool.touch([b1])
     pool.touch([b1])
@@ -211,10 +210,10 @@ def test_a_block_is_never_both_free_and_in_use():
 def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
     pool = BlockPool(4)
     b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks([b1, b2], ["a", "b"])
+    pool.cache_full_blocks([b1, b2], ["a", "b"], 0)
     pool.free_blocks([b1])
     assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block("a") is b1 and b2.block_hash == "b"
+    assert pool.get_cached_block("a", 0) is b1 and b2.block_hash == ("b", 0)
     pool.free_blocks([b2])
     assert pool.reset_prefix_cache() is True
     assert pool.cached_block_hash_to_block == {}
@@ -225,36 +224,33 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
 def test_cache_full_blocks_keeps_the_existing_entry_for_a_duplicate_hash():
     pool = BlockPool(5)
     b1, b2 = pool.get_new_blocks(2)
-    pool.cache_full_blocks([b1], ["h"])
-    pool.cache_full_blocks([b2], ["h"])  # same prefix computed twice
-    assert pool.get_cached_block("h") is b1
-    assert b1.block_hash == "h" and b2.block_hash is None
+    pool.cache_full_blocks([b1], ["h"], 0)
+    pool.cache_full_blocks([b2], ["h"], 0)  # same prefix computed twice
+    assert pool.get_cached_block("h", 0) is b1
+    assert b1.block_hash == ("h", 0) and b2.block_hash is None
     # A block that is already cached keeps its hash.
-    pool.cache_full_blocks([b1], ["other"])
-    assert b1.block_hash == "h" and pool.get_cached_block("other") is None
+    pool.cache_full_blocks([b1], ["other"], 0)
+    assert b1.block_hash == ("h", 0) and pool.get_cached_block("other", 0) is None
     # Evicting the uncached duplicate leaves the entry alone.
     pool.free_blocks([b2, b1])
     pool.get_new_blocks(3)  # 3, 4, then 2 (uncached)
-    assert pool.get_cached_block("h") is b1 and _free_ids(pool) == [1]
+    assert pool.get_cached_block("h", 0) is b1 and _free_ids(pool) == [1]
 
 
 # ---- KVCacheManager ---------------------------------------------------------------------------
 
 
 def _manager(
-    num_blocks: int = 21, block_size: int = 16, hash_algo: str = "sha256"
+    num_blocks: int = 21, block_size: int = 16, hash_algo: str = "sha256", num_groups: int = 1
 ) -> KVCacheManager:
-    return KVCacheManager(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=1024,
-        enable_caching=True,
-        hash_algo=hash_algo,
+    return create_kv_cache_manager(
+        num_blocks, block_size, num_groups=num_groups, enable_caching=True, hash_algo=hash_algo
     )
 
 
-def _admit(kv: KVCacheManager, request: Request, num_new_tokens: int | None = None):
-    """What Scheduler._schedule_waiting does: look up the cache, allocate, advance."""
+def _admit_groups(kv: KVCacheManager, request: Request, num_new_tokens: int | None = None):
+    """What Scheduler._schedule_waiting does: look up the cache, allocate, advance. Returns
+    the hit's block ids per group, its length in tokens, and the new block ids per group."""
     hit_blocks, num_hit = kv.get_computed_blocks(request)
     if num_new_tokens is None:
         num_new_tokens = request.num_tokens - num_hit
@@ -262,7 +258,20 @@ def _admit(kv: KVCacheManager, request: Request, num_new_tokens: int | None = No
     assert new is not None
     kv.record_admission(request, num_hit)
     request.num_computed_tokens = num_hit + num_new_tokens
-    return [b.block_id for b in hit_blocks], num_hit, new
+    return tuple([b.block_id for b in blocks] for blocks in hit_blocks.blocks), num_hit, new
+
+
+def _admit(kv: KVCacheManager, request: Request, num_new_tokens: int | None = None):
+    """_admit_groups for a manager of one KV cache group: that group's ids."""
+    (hit_ids,), num_hit, (new_ids,) = _admit_groups(kv, request, num_new_tokens)
+    return hit_ids, num_hit, new_ids
+
+
+def _hit_ids(kv: KVCacheManager, request: Request) -> tuple[list[int], int]:
+    """get_computed_blocks of a manager of one KV cache group: the hit's ids, its tokens."""
+    hit_blocks, num_hit = kv.get_computed_blocks(request)
+    (blocks,) = hit_blocks.blocks
+    return [b.block_id for b in blocks], num_hit
 
 
 def _refs(kv: KVCacheManager, ids) -> list[int]:
@@ -281,7 +290,7 @@ def test_second_request_shares_a_five_block_prefix(hash_algo):
     ]
     hit_ids, num_hit, new = _admit(kv, b)
     assert (hit_ids, num_hit, new) == ([1, 2, 3, 4, 5], 80, [7])
-    assert kv.get_block_ids("b") == [1, 2, 3, 4, 5, 7]
+    assert kv.get_block_ids("b") == ([1, 2, 3, 4, 5, 7],)
     assert _refs(kv, range(1, 8)) == [2, 2, 2, 2, 2, 1, 1]
     # A third request diverging inside block 2 (token 40) shares blocks 0 and 1 only.
     c_prompt = prefix + _tokens(10, 500)
@@ -299,8 +308,8 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     assert len(kv.block_pool.cached_block_hash_to_block) == 4
     b = _request(prompt, "b")
     blocks, num_hit = kv.get_computed_blocks(b)
-    assert [x.block_id for x in blocks] == [1, 2, 3] and num_hit == 48  # (64 - 1) // 16 blocks
-    assert kv.allocate_slots(b, 16, blocks) == [5]
+    assert _hit_ids(kv, b) == ([1, 2, 3], 48)  # (64 - 1) // 16 blocks
+    assert kv.allocate_slots(b, 16, blocks) == ([5],)
     # One token more than 4 blocks: all 4 full blocks are a hit.
     kv2 = _manager()
     _admit(kv2, _request(prompt + [7], "a"))
@@ -308,7 +317,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     # A one-block prompt never hits.
     kv3 = _manager()
     _admit(kv3, _request(_tokens(16), "a"))
-    assert kv3.get_computed_blocks(_request(_tokens(16), "b")) == ([], 0)
+    assert _hit_ids(kv3, _request(_tokens(16), "b")) == ([], 0)
 
 
 def test_the_last_partial_block_is_never_shared():
@@ -319,19 +328,19 @@ def test_the_last_partial_block_is_never_shared():
     assert kv.block_pool.blocks[3].block_hash is None
     b = _request(prompt + [8, 8], "b")  # 12 tokens: its third block is full
     assert _admit(kv, b) == ([1, 2], 8, [4])
-    assert kv.get_block_ids("b") == [1, 2, 4] and _refs(kv, [3, 4]) == [1, 1]
-    assert kv.block_pool.blocks[4].block_hash == b.block_hashes[2]
+    assert kv.get_block_ids("b") == ([1, 2, 4],) and _refs(kv, [3, 4]) == [1, 1]
+    assert kv.block_pool.blocks[4].block_hash == (b.block_hashes[2], 0)
     # a decodes two tokens: block 3 becomes full (computed) only in the second step.
     a.append_output_token_ids([9])
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens += 1
     assert kv.block_pool.blocks[3].block_hash is None
     a.append_output_token_ids([9])
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == ([],)
     a.num_computed_tokens += 1
-    assert kv.block_pool.blocks[3].block_hash == a.block_hashes[2] != b.block_hashes[2]
+    assert kv.block_pool.blocks[3].block_hash == (a.block_hashes[2], 0) != (b.block_hashes[2], 0)
     c = _request(prompt + [9, 9, 1], "c")
-    assert kv.get_computed_blocks(c) == ([kv.block_pool.blocks[i] for i in (1, 2, 3)], 12)
+    assert _hit_ids(kv, c) == ([1, 2, 3], 12)
     check_hash_map(kv)
 
 
@@ -343,14 +352,14 @@ def test_same_content_cached_twice_keeps_the_first_block():
     assert _admit(kv, b) == ([], 0, [2, 3, 4])  # so b cannot hit; b caches blocks 2, 3
     cache = kv.block_pool.cached_block_hash_to_block
     assert {h: blk.block_id for h, blk in cache.items()} == {
-        b.block_hashes[0]: 2,
-        b.block_hashes[1]: 3,
+        (b.block_hashes[0], 0): 2,
+        (b.block_hashes[1], 0): 3,
     }
-    assert kv.allocate_slots(a, 6) == [5, 6]  # a computes the same blocks in its own 1, 5
+    assert kv.allocate_slots(a, 6) == ([5, 6],)  # a computes the same blocks in its own 1, 5
     a.num_computed_tokens += 6
     assert {h: blk.block_id for h, blk in cache.items()} == {
-        b.block_hashes[0]: 2,
-        b.block_hashes[1]: 3,
+        (b.block_hashes[0], 0): 2,
+        (b.block_hashes[1], 0): 3,
     }
     assert kv.block_pool.blocks[1].block_hash is None and kv.block_pool.blocks[5].block_hash is None
     check_hash_map(kv)
@@ -361,19 +370,19 @@ def test_prompt_logprobs_requests_get_no_hit():
     prompt = _tokens(40)
     _admit(kv, _request(prompt, "a"))
     b = _request(prompt, "b", prompt_logprobs=0)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert _hit_ids(kv, b) == ([], 0)
     assert _admit(kv, b) == ([], 0, [4, 5, 6])
     # Its own full blocks are not entered again (a holds those hashes).
     assert {blk.block_id for blk in kv.block_pool.cached_block_hash_to_block.values()} == {1, 2}
-    assert kv.get_computed_blocks(_request(prompt, "c", prompt_logprobs=3)) == ([], 0)
+    assert _hit_ids(kv, _request(prompt, "c", prompt_logprobs=3)) == ([], 0)
     assert kv.get_computed_blocks(_request(prompt, "d"))[1] == 32
 
 
 def test_caching_disabled_never_hits_nor_caches():
-    kv = KVCacheManager(num_blocks=11, block_size=4, max_model_len=64)
+    kv = create_kv_cache_manager(num_blocks=11, block_size=4, max_model_len=64)
     prompt = _tokens(12)
     _admit(kv, _request(prompt, "a"))
-    assert kv.get_computed_blocks(_request(prompt, "b")) == ([], 0)
+    assert _hit_ids(kv, _request(prompt, "b")) == ([], 0)
     assert kv.block_pool.cached_block_hash_to_block == {}
     kv.record_admission(_request(prompt, "b"), 0)
     assert kv.prefix_cache_stats.requests == 0
@@ -385,7 +394,11 @@ def test_ref_counts_equal_the_number_of_holders():
     reqs = [_request(prefix + [600 + i] * 3, str(i)) for i in range(3)]
     for r in reqs:
         _admit(kv, r)
-    assert [kv.get_block_ids(r.request_id) for r in reqs] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    assert [kv.get_block_ids(r.request_id) for r in reqs] == [
+        ([1, 2, 3],),
+        ([1, 2, 4],),
+        ([1, 2, 5],),
+    ]
     assert _refs(kv, [1, 2, 3, 4, 5]) == [3, 3, 1, 1, 1]
     kv.free(reqs[1])
     assert _refs(kv, [1, 2, 4]) == [2, 2, 0]
@@ -411,12 +424,12 @@ def test_eviction_takes_the_tail_of_a_freed_request_first():
     # Pressure: x takes a's partial (uncached) block and the never-used blocks, y two of a's
     # cached ones.
     _admit(kv, _request(_tokens(16, 700), "x"))
-    assert kv.get_block_ids("x") == [5, 6, 7, 8]
-    assert all(kv.block_pool.get_cached_block(x) is not None for x in h)
+    assert kv.get_block_ids("x") == ([5, 6, 7, 8],)
+    assert all(kv.block_pool.get_cached_block(x, 0) is not None for x in h)
     _admit(kv, _request(_tokens(8, 800), "y"))
-    assert kv.get_block_ids("y") == [4, 3]
+    assert kv.get_block_ids("y") == ([4, 3],)
     pool = kv.block_pool
-    assert [pool.get_cached_block(x) for x in h] == [pool.blocks[1], pool.blocks[2], None, None]
+    assert [pool.get_cached_block(x, 0) for x in h] == [pool.blocks[1], pool.blocks[2], None, None]
     # y's own two full blocks are cached now; a's head survives and is still a hit.
     a2 = _request(prompt, "a2")
     assert kv.get_computed_blocks(a2)[1] == 8
@@ -432,7 +445,7 @@ def test_allocation_counts_evictable_hit_blocks_and_touches_nothing_on_failure()
     assert _free_ids(kv.block_pool) == [3, 4, 2, 1]
     b = _request(prompt[:8] + _tokens(12, 900), "b")  # 20 tokens: hit 2 blocks, 3 new
     hit, num_hit = kv.get_computed_blocks(b)
-    assert [x.block_id for x in hit] == [1, 2] and num_hit == 8
+    assert _hit_ids(kv, b) == ([1, 2], 8)
     # 3 new blocks + 2 hit blocks that sit in the free queue = 5 > 4 free blocks.
     before = (
         _free_ids(kv.block_pool),
@@ -446,10 +459,10 @@ def test_allocation_counts_evictable_hit_blocks_and_touches_nothing_on_failure()
         dict(kv.block_pool.cached_block_hash_to_block),
     )
     assert before == after
-    assert not kv.get_block_ids("b")
+    assert kv.get_block_ids("b") == ([],)
     # 2 new + 2 hit = 4: fits, and takes exactly the two blocks that are not hits.
-    assert kv.allocate_slots(b, 8, hit) == [3, 4]
-    assert kv.get_block_ids("b") == [1, 2, 3, 4] and kv.get_num_free_blocks() == 0
+    assert kv.allocate_slots(b, 8, hit) == ([3, 4],)
+    assert kv.get_block_ids("b") == ([1, 2, 3, 4],) and kv.get_num_free_blocks() == 0
 
 
 def test_prefix_cache_stats_count_tokens():
@@ -494,13 +507,65 @@ def test_reset_prefix_cache_through_the_manager():
     assert kv.reset_prefix_cache() is False
     kv.free(a)
     assert kv.reset_prefix_cache() is True
-    assert kv.get_computed_blocks(_request(_tokens(9), "b")) == ([], 0)
+    assert _hit_ids(kv, _request(_tokens(9), "b")) == ([], 0)
 
 
 def check_hash_map(kv: KVCacheManager) -> None:
     cache = kv.block_pool.cached_block_hash_to_block
     assert all(block.block_hash == h for h, block in cache.items())
     assert sum(b.block_hash is not None for b in kv.block_pool.blocks) == len(cache)
+
+
+# ---- several KV cache groups --------------------------------------------------------------------
+
+
+def test_two_groups_cache_and_hit_their_own_blocks():
+    kv = _manager(block_size=4, num_groups=2)
+    prompt = _tokens(9)
+    a = _request(prompt, "a")
+    assert _admit_groups(kv, a) == (([], []), 0, ([1, 2, 3], [4, 5, 6]))
+    h = a.block_hashes
+    # The same content is a different block in each group: one cache entry per group.
+    cache = kv.block_pool.cached_block_hash_to_block
+    assert {key: block.block_id for key, block in cache.items()} == {
+        (h[0], 0): 1,
+        (h[1], 0): 2,
+        (h[0], 1): 4,
+        (h[1], 1): 5,
+    }
+    b = _request(prompt[:8] + [7, 7, 7], "b")
+    assert _admit_groups(kv, b) == (([1, 2], [4, 5]), 8, ([7], [8]))
+    assert _refs(kv, range(1, 9)) == [2, 2, 1, 2, 2, 1, 1, 1]
+    kv.free(a)
+    kv.free(b)
+    assert kv.get_num_free_blocks() == 20 and _refs(kv, range(1, 21)) == [0] * 20
+    check_hash_map(kv)
+
+
+def test_two_groups_hit_only_the_prefix_both_have_cached():
+    kv = _manager(num_blocks=13, block_size=4, num_groups=2)  # 12 usable blocks
+    pool = kv.block_pool
+    prompt = _tokens(9)
+    a = _request(prompt, "a")
+    _admit_groups(kv, a)  # ([1, 2, 3], [4, 5, 6]); 1, 2 and 4, 5 are full and cached
+    kv.free(a)
+    assert _free_ids(pool) == [6, 3, 7, 8, 9, 10, 11, 12, 2, 1, 5, 4]
+    taken = pool.get_new_blocks(9)  # up to block 2: evicts group 0's second block
+    assert taken[-1] is pool.blocks[2]
+    b = _request(prompt, "b")
+    hit, num_hit = kv.get_computed_blocks(b)
+    # Group 0 has only its first block, group 1 both: the hit is what both groups have.
+    assert [[block.block_id for block in blocks] for blocks in hit.blocks] == [[1], [4]]
+    assert num_hit == 4
+    pool.free_blocks(taken)  # uncached: to the head, one after the other
+    assert _free_ids(pool) == [2, 12, 11, 10, 9, 8, 7, 3, 6, 1, 5, 4]
+    assert kv.allocate_slots(b, 5, hit) == ([2, 12], [11, 10])
+    # b caches its second block again in group 0; group 1 still has it (block 5), so b's
+    # copy there stays uncached.
+    assert pool.get_cached_block(b.block_hashes[1], 0) is pool.blocks[2]
+    assert pool.get_cached_block(b.block_hashes[1], 1) is pool.blocks[5]
+    assert pool.blocks[11].block_hash is None
+    check_hash_map(kv)
 
 
 # ---- Scheduler --------------------------------------------------------------------------------
@@ -511,7 +576,7 @@ def _add(scheduler: Scheduler, requests) -> None:
         scheduler.add_request(request)
 
 
-def _cached(so) -> dict[str, tuple[bool, list[int], int]]:
+def _cached(so) -> dict[str, tuple[bool, tuple[list[int], ...], int]]:
     c = so.scheduled_cached_reqs
     return {
         r: (res, ids, n)
@@ -540,14 +605,14 @@ def test_second_request_is_admitted_at_its_cache_hit():
     _add(scheduler, [a])
     so, outs = step(scheduler, worker)
     (new_a,) = so.scheduled_new_reqs
-    assert new_a.block_ids == [1, 2, 3, 4] and new_a.num_computed_tokens == 0
+    assert new_a.block_ids == ([1, 2, 3, 4],) and new_a.num_computed_tokens == 0
     assert outs[0].num_cached_tokens == 0
 
     _add(scheduler, [b])
     so, outs = step(scheduler, worker)
     (new_b,) = so.scheduled_new_reqs
     assert new_b.num_computed_tokens == 48
-    assert new_b.block_ids[:3] == new_a.block_ids[:3] and new_b.block_ids == [1, 2, 3, 5]
+    assert new_b.block_ids[0][:3] == new_a.block_ids[0][:3] and new_b.block_ids == ([1, 2, 3, 5],)
     assert so.num_scheduled_tokens == {"0": 1, "1": 53 - 48}
     assert b.num_cached_tokens == 48
     assert {o.request_id: o.num_cached_tokens for o in outs} == {"0": 0, "1": 48}
@@ -583,8 +648,8 @@ def test_identical_prompts_admitted_in_the_same_step_share_blocks():
     _add(scheduler, [a, b])
     so, _ = step(scheduler, worker)
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [
-        ("0", [1, 2, 3], 0),
-        ("1", [1, 2, 4], 32),
+        ("0", ([1, 2, 3],), 0),
+        ("1", ([1, 2, 4],), 32),
     ]
     assert so.num_scheduled_tokens == {"0": 40, "1": 8}
     run_to_completion(scheduler, worker=worker)
@@ -605,7 +670,7 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     so, _ = step(scheduler, worker)  # a takes block 5; b needs one too: b preempts itself
     assert so.preempted_req_ids == {"1"} and b.status == RequestStatus.PREEMPTED
     assert pool.free_block_queue.block_ids() == [4, 3]
-    assert pool.get_cached_block(b.block_hashes[0]) is pool.blocks[3]
+    assert pool.get_cached_block(b.block_hashes[0], 0) is pool.blocks[3]
 
     for _ in range(2):  # b: 2 hit blocks (in the free queue) + 1 new > 2 free blocks
         so, _ = step(scheduler, worker)
@@ -614,7 +679,7 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     assert pool.free_block_queue.block_ids() == [5, 4, 3, 2, 1]  # a's last block is partial
 
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"1": (True, [3, 4, 5], 8)}  # resumed at its cache hit
+    assert _cached(so) == {"1": (True, ([3, 4, 5],), 8)}  # resumed at its cache hit
     assert so.num_scheduled_tokens == {"1": 1}  # only its first output token is recomputed
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     assert b.num_cached_tokens == 0  # counted at first admission only
@@ -646,10 +711,10 @@ def test_preempted_request_whose_blocks_were_evicted_restarts_from_zero():
     _add(scheduler, [c])
     so, _ = step(scheduler, worker)
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [
-        ("2", [4], 0)
+        ("2", ([4],), 0)
     ]
-    assert pool.get_cached_block(b.block_hashes[1]) is None
-    assert pool.get_cached_block(b.block_hashes[0]) is pool.blocks[3]
+    assert pool.get_cached_block(b.block_hashes[1], 0) is None
+    assert pool.get_cached_block(b.block_hashes[0], 0) is pool.blocks[3]
     # Same prompt as b: only its first block is still a hit.
     (b2,) = create_requests(1, prompts=[b.prompt_token_ids], id_prefix="b2-")
     _add(scheduler, [b2])
@@ -669,8 +734,8 @@ def test_abort_of_a_request_sharing_blocks_keeps_them_alive():
     _add(scheduler, [b, c])
     so, _ = step(scheduler, worker)
     assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in so.scheduled_new_reqs] == [
-        ("1", [1, 2, 3, 5], 48),
-        ("2", [1, 2, 3, 6], 48),
+        ("1", ([1, 2, 3, 5],), 48),
+        ("2", ([1, 2, 3, 6],), 48),
     ]
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
@@ -690,7 +755,7 @@ def test_abort_of_a_request_sharing_blocks_keeps_them_alive():
     assert result.finish_reasons == {"2": FinishReason.LENGTH}
     assert kv.get_num_free_blocks() == pool.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-    assert {pool.get_cached_block(h).block_id for h in c.block_hashes[:3]} == {1, 2, 3}
+    assert {pool.get_cached_block(h, 0).block_id for h in c.block_hashes[:3]} == {1, 2, 3}
 
 
 def test_cache_salt_separates_identical_prompts():

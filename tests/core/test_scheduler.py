@@ -24,7 +24,6 @@ from core_utils import (
     step,
 )
 
-from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.core.request import FinishReason, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
@@ -41,7 +40,7 @@ def _free_ids(scheduler: Scheduler) -> list[int]:
     return scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids()
 
 
-def _cached(so) -> dict[str, tuple[bool, list[int], int]]:
+def _cached(so) -> dict[str, tuple[bool, tuple[list[int], ...], int]]:
     c = so.scheduled_cached_reqs
     return {
         r: (res, ids, n)
@@ -68,7 +67,7 @@ def test_single_request_lifecycle():
     so, outs = step(scheduler, worker)
     assert [r.req_id for r in so.scheduled_new_reqs] == ["0"]
     new = so.scheduled_new_reqs[0]
-    assert new.block_ids == [1, 2] and new.num_computed_tokens == 0
+    assert new.block_ids == ([1, 2],) and new.num_computed_tokens == 0
     assert new.prompt_token_ids == req.prompt_token_ids
     assert so.num_scheduled_tokens == {"0": 20} and so.total_num_scheduled_tokens == 20
     assert so.scheduled_cached_reqs.req_ids == [] and so.finished_req_ids == set()
@@ -77,7 +76,7 @@ def test_single_request_lifecycle():
 
     so, outs = step(scheduler, worker)
     assert so.scheduled_new_reqs == []
-    assert _cached(so) == {"0": (False, [], 20)}
+    assert _cached(so) == {"0": (False, ([],), 20)}
     assert so.num_scheduled_tokens == {"0": 1}
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
 
@@ -111,25 +110,12 @@ def test_duplicate_request_id_raises():
     assert len(scheduler.waiting) == 0 and scheduler.running == [a]
 
 
-def test_kv_cache_too_small_for_one_request_raises():
-    # max_model_len 64 with 16-token blocks needs 4 blocks; 4 blocks leave 3 usable.
-    with pytest.raises(ValueError, match="max_model_len"):
-        create_scheduler(num_blocks=4, block_size=16, max_model_len=64)
-    with pytest.raises(ValueError):
-        create_scheduler(num_blocks=2, block_size=16, max_model_len=17)
-    create_scheduler(num_blocks=5, block_size=16, max_model_len=64)  # exactly enough
-    create_scheduler(num_blocks=2, block_size=16, max_model_len=16)
-
-
-def test_num_gpu_blocks_unset_raises():
-    with pytest.raises(ValueError):
-        Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=16))
-
-
 def test_core_does_not_import_torch():
     code = (
         "import sys\n"
         "import minivllm.core.sched.scheduler, minivllm.core.kv_cache_manager\n"
+        "import minivllm.core.kv_cache_coordinator, minivllm.core.single_type_kv_cache_manager\n"
+        "import minivllm.core.kv_cache_utils, minivllm.core.kv_cache_interface\n"
         "import minivllm.core.block_pool, minivllm.core.request, minivllm.core.outputs\n"
         "import minivllm.core.sched.output, minivllm.config, minivllm.sampling_params\n"
         "heavy = sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules)\n"
@@ -198,7 +184,7 @@ def test_chunked_prefill_exact_chunks_and_blocks():
             new_blocks.append(_cached(so)["0"][1])
         outputs.append([t for o in outs for t in o.new_token_ids])
     assert chunks == [32, 32, 32, 4]
-    assert new_blocks == [[1, 2], [3, 4], [5, 6], [7]]
+    assert new_blocks == [([1, 2],), ([3, 4],), ([5, 6],), ([7],)]
     assert outputs == [[], [], [], [T0]]  # no token until the prompt is fully computed
 
     # Decodes: decode k computes position 99 + k; position 112 (k = 13) opens block 8.
@@ -207,7 +193,7 @@ def test_chunked_prefill_exact_chunks_and_blocks():
         so, _ = step(scheduler, worker)
         assert so.num_scheduled_tokens == {"0": 1}
         decode_new_blocks.append(_cached(so)["0"][1])
-    assert decode_new_blocks == [[]] * 12 + [[8], []]
+    assert decode_new_blocks == [([],)] * 12 + [([8],), ([],)]
     assert req.is_finished() and req.num_output_tokens == 15
 
 
@@ -289,9 +275,9 @@ def test_preemption_victim_is_the_most_recently_admitted():
     # Step 1: a [1, 2], b [3, 4], c [5, 6, 7]; d waits for a seat. The cache is full.
     so, _ = step(scheduler, worker)
     assert {r.req_id: r.block_ids for r in so.scheduled_new_reqs} == {
-        "0": [1, 2],
-        "1": [3, 4],
-        "2": [5, 6, 7],
+        "0": ([1, 2],),
+        "1": ([3, 4],),
+        "2": ([5, 6, 7],),
     }
     assert _free_ids(scheduler) == [] and list(scheduler.waiting) == [d]
 
@@ -300,13 +286,13 @@ def test_preemption_victim_is_the_most_recently_admitted():
     so, _ = step(scheduler, worker)
     assert so.preempted_req_ids == {"2"}
     assert so.num_scheduled_tokens == {"0": 1, "1": 1}
-    assert _cached(so) == {"0": (False, [5], 8), "1": (False, [], 6)}
+    assert _cached(so) == {"0": (False, ([5],), 8), "1": (False, ([],), 6)}
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert c.output_token_ids == [T0]  # its sampled token is kept, only the KV is dropped
     assert list(scheduler.waiting) == [c, d]  # back at the head of the queue
     assert scheduler.running == [a, b]
-    assert scheduler.kv_cache_manager.get_block_ids("2") == []
+    assert scheduler.kv_cache_manager.get_block_ids("2") == ([],)
     assert _free_ids(scheduler) == [6, 7]
 
     # Step 3: c needs 3 blocks for its 12 tokens, only 2 are free: it waits (and so does d).
@@ -319,8 +305,8 @@ def test_preemption_victim_is_the_most_recently_admitted():
     # then d is admitted.
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (False, [1], 8), "2": (True, [2, 5, 6], 0)}
-    assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [("3", [7])]
+    assert _cached(so) == {"1": (False, ([1],), 8), "2": (True, ([2, 5, 6],), 0)}
+    assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [("3", ([7],))]
     assert list(so.num_scheduled_tokens.items()) == [("1", 1), ("2", 12), ("3", 4)]
     assert {o.request_id: o.new_token_ids for o in outs} == {
         "1": [T0 + 3],
@@ -333,7 +319,7 @@ def test_preemption_victim_is_the_most_recently_admitted():
 
     # Step 5: both decode (and grow by a block), and finish.
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"2": (False, [3], 12), "3": (False, [4], 4)}
+    assert _cached(so) == {"2": (False, ([3],), 12), "3": (False, ([4],), 4)}
     assert {o.request_id: o.finish_reason for o in outs} == {
         "2": FinishReason.LENGTH,
         "3": FinishReason.LENGTH,
@@ -372,7 +358,7 @@ def test_request_preempts_itself_when_it_is_the_last_one():
     so, _ = step(scheduler, worker)  # a takes block 5; b needs one too: b is the victim
     assert so.num_scheduled_tokens == {"0": 1}
     assert so.preempted_req_ids == {"1"}
-    assert _cached(so) == {"0": (False, [5], 8)}
+    assert _cached(so) == {"0": (False, ([5],), 8)}
     assert b.status == RequestStatus.PREEMPTED and list(scheduler.waiting) == [b]
     assert _free_ids(scheduler) == [3, 4]
 
@@ -384,7 +370,7 @@ def test_request_preempts_itself_when_it_is_the_last_one():
 
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (True, [1, 2, 5], 0)}
+    assert _cached(so) == {"1": (True, ([1, 2, 5],), 0)}
     assert so.num_scheduled_tokens == {"1": 9}  # the prompt plus its first output token
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     result = run_to_completion(scheduler, worker=worker)
@@ -570,7 +556,8 @@ def test_abort_waiting_request_after_a_failed_allocation():
     so, _ = step(scheduler, worker)
     assert so.num_scheduled_tokens == {"0": 32}
     scheduler.finish_requests(["1"], RequestStatus.FINISHED_ABORTED)
-    assert "1" not in scheduler.kv_cache_manager.req_to_blocks
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    assert all("1" not in manager.req_to_blocks for manager in managers)
     run_to_completion(scheduler, worker=worker)
 
 

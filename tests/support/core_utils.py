@@ -6,32 +6,47 @@ every request whose computed tokens reach its known tokens) without a model.
 
 Sampled tokens are deterministic: by default the k-th output token (0-based) of any request
 is ``FIRST_SAMPLED_TOKEN_ID + k``, which is never EOS_TOKEN_ID. Tests that need EOS or stop
-tokens pass a ``token_fn(req_id, output_index) -> token_id``.
+tokens pass a ``token_fn(req_id, output_index) -> token_id``. With a ``draft_fn`` the fake
+worker also proposes draft tokens after each sample and verifies them the next step like a
+greedy rejection sampler: drafts are accepted while they equal the tokens token_fn would give,
+then one more token comes, so the output never depends on the drafts.
 
 The fake worker also simulates the KV cache contents: every slot it "computes" holds a key of
-the token's whole prefix (position and all tokens up to it), and every scheduled request must
-read back the right keys for all its tokens. So a prefix cache hit on a block with other
-content, a block handed out while still in use, or a wrong block table is caught by content,
-not only by bookkeeping.
+the token's whole prefix (position and all tokens up to it) and of its KV cache group, and
+every scheduled request must read back the right keys for all its tokens. All groups write
+into one memory indexed by block id. So a prefix cache hit on a block with other content (or
+another group's), a block handed out while still in use, or a wrong block table is caught by
+content, not only by bookkeeping.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.core.block_pool import KVCacheBlock
+from minivllm.core.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from minivllm.core.request import FinishReason, Request, RequestStatus
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils import cdiv
 
 EOS_TOKEN_ID = 2
 FIRST_SAMPLED_TOKEN_ID = 1000
 
 TokenFn = Callable[[str, int], int]
+# (req_id, number of output tokens so far) -> the draft tokens to verify next.
+DraftFn = Callable[[str, int], list[int]]
 
 
 def default_token_fn(req_id: str, output_index: int) -> int:
@@ -39,6 +54,43 @@ def default_token_fn(req_id: str, output_index: int) -> int:
 
 
 # ---- builders ---------------------------------------------------------------------------------
+
+
+def make_kv_cache_config(
+    num_blocks: int, block_size: int = 16, num_groups: int = 1
+) -> KVCacheConfig:
+    """A KVCacheConfig of `num_groups` KV cache groups of one full attention layer each.
+
+    get_kv_cache_config would put layers of one spec into one group; several groups of the same
+    kind are built here by hand, to run the KV manager's multi-group paths before the hybrid
+    KV cache manager (issue 24) makes groups of different kinds.
+    """
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32")
+    layer_names = [f"model.layers.{i}.self_attn" for i in range(num_groups)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tuple(
+            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=(name,))
+            for name in layer_names
+        ),
+        kv_cache_groups=tuple(KVCacheGroupSpec((name,), spec) for name in layer_names),
+    )
+
+
+def create_kv_cache_manager(
+    num_blocks: int,
+    block_size: int = 16,
+    max_model_len: int = 1024,
+    num_groups: int = 1,
+    enable_caching: bool = False,
+    hash_algo: str = "sha256",
+) -> KVCacheManager:
+    return KVCacheManager(
+        make_kv_cache_config(num_blocks, block_size, num_groups),
+        max_model_len,
+        enable_caching=enable_caching,
+        hash_algo=hash_algo,
+    )
 
 
 def create_scheduler(
@@ -50,14 +102,16 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
     prefix_caching_hash_algo: str = "sha256",
+    num_kv_cache_groups: int = 1,
 ) -> Scheduler:
-    """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block).
+    """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
+    `num_kv_cache_groups` KV cache groups.
 
     By default the cache holds max_num_seqs requests of max_model_len tokens (no preemption).
     Prefix caching is off by default (unlike CacheConfig): the scenario tests assume no hits.
     """
     if num_blocks is None:
-        num_blocks = max_num_seqs * cdiv(max_model_len, block_size) + 1
+        num_blocks = num_kv_cache_groups * max_num_seqs * cdiv(max_model_len, block_size) + 1
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -70,7 +124,8 @@ def create_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         prefix_caching_hash_algo=prefix_caching_hash_algo,
     )
-    return Scheduler(scheduler_config, cache_config)
+    kv_cache_config = make_kv_cache_config(num_blocks, block_size, num_kv_cache_groups)
+    return Scheduler(scheduler_config, cache_config, kv_cache_config)
 
 
 def create_requests(
@@ -80,6 +135,7 @@ def create_requests(
     *,
     ignore_eos: bool = False,
     stop_token_ids: list[int] | None = None,
+    min_tokens: int = 0,
     logprobs: int | None = None,
     eos_token_id: int | None = EOS_TOKEN_ID,
     id_prefix: str = "",
@@ -110,6 +166,7 @@ def create_requests(
             max_tokens=n_out,
             ignore_eos=ignore_eos,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -134,43 +191,39 @@ def create_requests(
 # ---- fake model runner --------------------------------------------------------------------------
 
 
-def fake_model_runner_output(
-    scheduler_output: SchedulerOutput, scheduler: Scheduler, token_fn: TokenFn | None = None
-) -> ModelRunnerOutput:
-    """Stateless fake worker: call it right after scheduler.schedule().
-
-    schedule() has already advanced num_computed_tokens, so a request samples one token when
-    num_computed_tokens >= num_tokens (its last known token was computed), else gets [].
-    """
-    token_fn = token_fn or default_token_fn
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        if request is None:  # aborted after schedule(): the real worker still ran it
-            sampled.append([token_fn(req_id, 0)])
-        elif request.num_computed_tokens >= request.num_tokens:
-            sampled.append([token_fn(req_id, request.num_output_tokens)])
-        else:
-            sampled.append([])
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-
-
 @dataclass
 class _WorkerReqState:
     num_prompt_tokens: int
     num_tokens: int
     num_computed_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     # The request's tokens as the worker knows them (prompt + what it sampled), and for each
-    # position the key of the KV a real model would compute there (it depends on the prefix).
+    # group and position the key of the KV a real model would compute there.
     token_ids: list[int] = field(default_factory=list)
-    prefix_keys: list[int] = field(default_factory=list)
+    prefix_keys: list[list[KVKey]] = field(default_factory=list)
+    # Tokens with a slot since the block table was (re)built: the computed ones and the
+    # rejected drafts after them, whose blocks stay.
+    num_slots_used: int = 0
 
-    def extend_keys(self) -> None:
-        keys, tokens = self.prefix_keys, self.token_ids
-        for pos in range(len(keys), len(tokens)):
-            keys.append(hash((keys[-1] if keys else None, pos, tokens[pos])))
+    def keys_with(self, group_id: int, drafts: list[int]) -> list[KVKey]:
+        """The keys of the known tokens and then of `drafts`, in one group."""
+        keys = self.prefix_keys[group_id]
+        keys.extend(_chain_keys(keys, self.token_ids[len(keys) :], group_id))
+        return keys + _chain_keys(keys, drafts, group_id) if drafts else keys
+
+
+KVKey = tuple[int, int]
+
+
+def _chain_keys(prefix: list[KVKey], token_ids: list[int], group_id: int) -> list[KVKey]:
+    """The KV keys of `token_ids` after `prefix`'s: each depends on its group, its position
+    and every token up to it."""
+    keys: list[KVKey] = []
+    prev = prefix[-1] if prefix else None
+    for pos, token_id in enumerate(token_ids, start=len(prefix)):
+        prev = (group_id, hash((prev, pos, token_id)))
+        keys.append(prev)
+    return keys
 
 
 class FakeWorker:
@@ -178,22 +231,29 @@ class FakeWorker:
     asserts that the diff is consistent with its own bookkeeping and with the scheduler's.
 
     It tracks its own token counts (prompt length from NewRequestData plus the tokens it
-    sampled), so a scheduler that forgets tokens, sends a wrong num_computed_tokens or a wrong
-    block table after a preemption is caught here.
+    sampled, minus the drafts it rejected), so a scheduler that forgets tokens, sends a wrong
+    num_computed_tokens or a wrong block table after a preemption is caught here.
 
     It also keeps the simulated KV contents of every block (`self.kv`): each step it first
-    writes the scheduled tokens of all requests (like the attention layers, which write the
-    whole batch's KV before any attention reads it), then checks that every scheduled request
-    finds the right KV for all its tokens [0, num_computed_tokens + scheduled) in its block
-    table. With prefix caching off a new or resumed request must start at token 0; with it on,
-    at a block boundary before its last known token, with exactly its cached blocks in front.
+    writes the scheduled tokens of all requests in every group (like the attention layers,
+    which write the whole batch's KV before any attention reads it), then checks that every
+    scheduled request finds the right KV for all its tokens [0, num_computed_tokens + scheduled)
+    in each group's block table. With prefix caching off a new or resumed request must start at
+    token 0; with it on, at a block boundary before its last known token, with exactly its
+    cached blocks in front.
     """
 
-    def __init__(self, token_fn: TokenFn | None = None) -> None:
+    def __init__(self, token_fn: TokenFn | None = None, draft_fn: DraftFn | None = None) -> None:
         self.token_fn = token_fn or default_token_fn
+        self.draft_fn = draft_fn
         self.states: dict[str, _WorkerReqState] = {}
-        self.kv: dict[int, list[int | None]] = {}
+        self.kv: dict[int, list[KVKey | None]] = {}
         self.num_cache_hit_tokens = 0  # tokens skipped thanks to prefix cache hits (new + resumed)
+        # Drafts proposed in the last step, for the engine loop to hand to the scheduler.
+        self.draft_token_ids: dict[str, list[int]] = {}
+        self.num_draft_tokens = 0  # drafts verified, and accepted, over the run
+        self.num_accepted_tokens = 0
+        self.max_num_draft_tokens = 0  # the most drafts proposed at once
 
     def _check_start(
         self, req_id: str, num_computed: int, num_known: int, scheduler: Scheduler
@@ -211,32 +271,33 @@ class FakeWorker:
         if request.sampling_params.prompt_logprobs is not None:
             assert num_computed == 0, f"{req_id} wants prompt logprobs: no cache hit allowed"
         pool = kv.block_pool
-        blocks = kv.req_to_blocks[req_id]
         hashes = request.block_hashes
-        assert len(blocks) >= num_hit_blocks and len(hashes) >= num_hit_blocks
-        for i in range(num_hit_blocks):
-            # The skipped blocks are cached blocks holding exactly this request's prefix.
-            assert blocks[i].block_hash == hashes[i], (req_id, i, blocks[i])
-            assert pool.get_cached_block(hashes[i]) is blocks[i], (req_id, i)
-        # The hit is the longest one: the next block of the prefix was not cached elsewhere
-        # (it may be cached now, as this request's own freshly allocated block).
+        assert len(hashes) >= num_hit_blocks
+        next_block_cached_elsewhere = []
+        for group_id, blocks in enumerate(held_blocks(kv, req_id)):
+            assert len(blocks) >= num_hit_blocks
+            for i in range(num_hit_blocks):
+                # The skipped blocks are cached blocks holding exactly this request's prefix.
+                assert blocks[i].block_hash == (hashes[i], group_id), (req_id, i, blocks[i])
+                assert pool.get_cached_block(hashes[i], group_id) is blocks[i], (req_id, i)
+            if len(hashes) > num_hit_blocks:
+                cached = pool.get_cached_block(hashes[num_hit_blocks], group_id)
+                next_block_cached_elsewhere.append(
+                    cached is not None and cached is not blocks[num_hit_blocks]
+                )
+        # The hit is the longest one: the next block of the prefix was not cached elsewhere in
+        # every group (it may be cached now, as this request's own freshly allocated block).
         max_hit_blocks = (num_known - 1) // bs
         if request.sampling_params.prompt_logprobs is None and num_hit_blocks < max_hit_blocks:
-            if len(hashes) > num_hit_blocks:
-                cached = pool.get_cached_block(hashes[num_hit_blocks])
-                assert cached is None or cached is blocks[num_hit_blocks], (
-                    f"{req_id}: started at {num_computed} although block {num_hit_blocks} "
-                    f"was cached as {cached}"
-                )
+            assert not (next_block_cached_elsewhere and all(next_block_cached_elsewhere)), (
+                f"{req_id}: started at {num_computed} although block {num_hit_blocks} was "
+                "cached in every group"
+            )
         self.num_cache_hit_tokens += num_computed
 
-    def execute_model(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
-        kv = scheduler.kv_cache_manager
-        block_size = kv.block_size
+    def _apply_diff(self, so: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Drop finished requests, add new ones, update cached ones, as the runner does."""
         scheduled = so.num_scheduled_tokens
-
-        assert so.total_num_scheduled_tokens == sum(scheduled.values())
-        assert all(n > 0 for n in scheduled.values()), scheduled
         for req_id in so.finished_req_ids:
             assert req_id not in scheduled, f"{req_id} both finished and scheduled"
             assert req_id not in scheduler.requests, f"finished {req_id} still in the scheduler"
@@ -265,8 +326,10 @@ class FakeWorker:
                 num_prompt_tokens=num_prompt,
                 num_tokens=num_prompt,
                 num_computed_tokens=new_req.num_computed_tokens,
-                block_ids=list(new_req.block_ids),
+                block_ids=[list(ids) for ids in new_req.block_ids],
                 token_ids=list(new_req.prompt_token_ids),
+                prefix_keys=[[] for _ in new_req.block_ids],
+                num_slots_used=new_req.num_computed_tokens,
             )
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,
@@ -277,85 +340,132 @@ class FakeWorker:
         ):
             assert req_id in self.states, f"cached {req_id} unknown to the worker"
             state = self.states[req_id]
+            assert len(new_block_ids) == len(state.block_ids), "one block list per group"
             if resumed:
                 # Preemption is by recompute: the KV is gone except what the prefix cache kept.
                 self._check_start(req_id, num_computed, state.num_tokens, scheduler)
-                state.block_ids = list(new_block_ids)
+                state.block_ids = [list(ids) for ids in new_block_ids]
+                state.num_slots_used = num_computed
             else:
                 assert num_computed == state.num_computed_tokens, (
                     req_id,
                     num_computed,
                     state.num_computed_tokens,
                 )
-                state.block_ids.extend(new_block_ids)
+                for ids, new_ids_of_group in zip(state.block_ids, new_block_ids, strict=True):
+                    ids.extend(new_ids_of_group)
             state.num_computed_tokens = num_computed
+
+    def execute_model(self, so: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+        kv = scheduler.kv_cache_manager
+        block_size = kv.block_size
+        scheduled = so.num_scheduled_tokens
+        assert so.total_num_scheduled_tokens == sum(scheduled.values())
+        assert all(n > 0 for n in scheduled.values()), scheduled
+        self._apply_diff(so, scheduler)
 
         req_ids = list(scheduled)
         # Pass 1: bookkeeping checks, then write this step's KV of the whole batch.
+        keys: dict[str, list[list[KVKey]]] = {}  # per group: known tokens + this step's drafts
         for req_id in req_ids:
             state = self.states[req_id]
             request = scheduler.requests[req_id]
             assert state.num_tokens == request.num_tokens, (req_id, state, request.num_tokens)
             assert state.token_ids == request.all_token_ids, req_id
-            assert state.block_ids == kv.get_block_ids(req_id), (
-                req_id,
-                state.block_ids,
-                kv.get_block_ids(req_id),
-            )
-            assert 0 not in state.block_ids, f"{req_id} holds the null block"
+            block_ids = [list(ids) for ids in kv.get_block_ids(req_id)]
+            assert len(block_ids) == len(kv.coordinator.single_type_managers)
+            assert state.block_ids == block_ids, (req_id, state.block_ids, block_ids)
+            assert all(0 not in ids for ids in state.block_ids), f"{req_id} holds the null block"
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            keys[req_id] = [state.keys_with(g, drafts) for g in range(len(state.block_ids))]
             end = state.num_computed_tokens + scheduled[req_id]
-            assert end <= state.num_tokens, f"{req_id} scheduled past its known tokens"
+            if drafts:
+                assert end == state.num_tokens + len(drafts), (req_id, end, drafts)
+            else:
+                assert end <= state.num_tokens, f"{req_id} scheduled past its known tokens"
             assert end == request.num_computed_tokens
-            assert len(state.block_ids) * block_size >= end, "no slot for a scheduled token"
-            state.extend_keys()
-            for pos in range(state.num_computed_tokens, end):
-                block_id = state.block_ids[pos // block_size]
-                slots = self.kv.setdefault(block_id, [None] * block_size)
-                slots[pos % block_size] = state.prefix_keys[pos]
+            state.num_slots_used = max(state.num_slots_used, end)
+            for ids in state.block_ids:
+                # Blocks are allocated exactly for the tokens given a slot.
+                assert len(ids) == cdiv(state.num_slots_used, block_size), (req_id, ids)
+            for ids, group_keys in zip(state.block_ids, keys[req_id], strict=True):
+                for pos in range(state.num_computed_tokens, end):
+                    slots = self.kv.setdefault(ids[pos // block_size], [None] * block_size)
+                    slots[pos % block_size] = group_keys[pos]
         # Pass 2: attention reads the KV of every token of each scheduled request.
         for req_id in req_ids:
             state = self.states[req_id]
             end = state.num_computed_tokens + scheduled[req_id]
-            for i, block_id in enumerate(state.block_ids[: -(-end // block_size)]):
-                start = i * block_size
-                n = min(block_size, end - start)
-                got = self.kv.get(block_id, [None] * block_size)[:n]
-                assert got == state.prefix_keys[start : start + n], (
-                    f"{req_id}: block {block_id} (tokens {start}..{start + n - 1}) holds the "
-                    "KV of other tokens"
-                )
-        # Pass 3: sample one token for every request whose known tokens are all computed.
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
-            state = self.states[req_id]
-            end = state.num_computed_tokens + scheduled[req_id]
-            state.num_computed_tokens = end
-            if end == state.num_tokens:
-                token = self.token_fn(req_id, state.num_tokens - state.num_prompt_tokens)
-                state.num_tokens += 1
-                state.token_ids.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
+            for group_id, ids in enumerate(state.block_ids):
+                group_keys = keys[req_id][group_id]
+                for i, block_id in enumerate(ids[: cdiv(end, block_size)]):
+                    start = i * block_size
+                    n = min(block_size, end - start)
+                    got = self.kv.get(block_id, [None] * block_size)[:n]
+                    assert got == group_keys[start : start + n], (
+                        f"{req_id}: block {block_id} (group {group_id}, tokens {start}.."
+                        f"{start + n - 1}) holds the KV of other tokens"
+                    )
+        # Pass 3: sample for every request whose known tokens are all computed: verify its
+        # drafts, then one more token.
+        sampled = [self._sample(req_id, so) for req_id in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _sample(self, req_id: str, so: SchedulerOutput) -> list[int]:
+        state = self.states[req_id]
+        drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+        end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+        state.num_computed_tokens = end
+        if end < state.num_tokens:
+            return []
+        num_output = state.num_tokens - state.num_prompt_tokens
+        tokens = []
+        for draft in [*drafts, None]:
+            token = self.token_fn(req_id, num_output + len(tokens))
+            tokens.append(token)
+            if token != draft:
+                break
+        # The KV of the rejected drafts is not part of the sequence.
+        state.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+        state.num_tokens += len(tokens)
+        state.token_ids.extend(tokens)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(tokens) - 1
+        if self.draft_fn is not None:
+            new_drafts = self.draft_fn(req_id, num_output + len(tokens))
+            self.draft_token_ids[req_id] = new_drafts
+            self.max_num_draft_tokens = max(self.max_num_draft_tokens, len(new_drafts))
+        return tokens
+
+
+def held_blocks(kv: KVCacheManager, req_id: str) -> list[list[KVCacheBlock]]:
+    """The request's blocks in each KV cache group."""
+    return [m.req_to_blocks.get(req_id, []) for m in kv.coordinator.single_type_managers]
 
 
 # ---- invariants -------------------------------------------------------------------------------
 
 
-def check_block_invariants(scheduler: Scheduler) -> None:
-    kv = scheduler.kv_cache_manager
+def check_block_invariants(kv: KVCacheManager) -> None:
     pool = kv.block_pool
     null_block = pool.null_block
     assert null_block.block_id == 0 and null_block.ref_cnt == 1
     assert null_block.block_hash is None
     free_ids = pool.free_block_queue.block_ids()
     assert len(free_ids) == pool.get_num_free_blocks() == len(set(free_ids))
-    held_count: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
-        assert len({b.block_id for b in blocks}) == len(blocks), "a block twice in one table"
-        for block in blocks:
-            held_count[block.block_id] = held_count.get(block.block_id, 0) + 1
+    held_count: Counter[int] = Counter()
+    held_by_group: list[set[int]] = []  # the ids each group's requests hold
+    for manager in kv.coordinator.single_type_managers:
+        assert set(manager.num_cached_block) <= set(manager.req_to_blocks)
+        group_held: set[int] = set()
+        for blocks in manager.req_to_blocks.values():
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), "a block twice in one table"
+            held_count.update(ids)
+            group_held.update(ids)
+        for other in held_by_group:
+            assert not group_held & other, f"blocks held by two groups: {group_held & other}"
+        held_by_group.append(group_held)
     free_set = set(free_ids)
     assert 0 not in free_set and 0 not in held_count, "null block handed out"
     assert not free_set & held_count.keys(), f"free and held: {free_set & held_count.keys()}"
@@ -372,8 +482,10 @@ def check_block_invariants(scheduler: Scheduler) -> None:
     assert pool.get_usage() == 1.0 - len(free_ids) / (pool.num_blocks - 1)
     # The prefix cache map and the blocks' hashes agree, both ways.
     cache = pool.cached_block_hash_to_block
-    for block_hash, block in cache.items():
-        assert block.block_hash == block_hash, (block, block_hash)
+    for key, block in cache.items():
+        assert block.block_hash == key, (block, key)
+        # A cached block in use is used by the group it was cached for.
+        assert block.ref_cnt == 0 or block.block_id in held_by_group[key[1]], (block, key)
     hashed = [b for b in pool.blocks if b.block_hash is not None]
     assert len(hashed) == len(cache), "a block has a hash but is not in the cache map"
     for block in hashed:
@@ -382,43 +494,62 @@ def check_block_invariants(scheduler: Scheduler) -> None:
         assert not cache, "blocks cached although prefix caching is off"
 
 
-def check_request_invariants(scheduler: Scheduler) -> None:
+def check_request_invariants(scheduler: Scheduler, max_num_spec_tokens: int = 0) -> None:
+    """`max_num_spec_tokens`: the most drafts a request gets per step; the slots of rejected
+    drafts stay with a request, so it may hold up to that many slots past its computed tokens.
+    """
     kv = scheduler.kv_cache_manager
     running_ids = [r.request_id for r in scheduler.running]
     waiting_ids = [r.request_id for r in scheduler.waiting]
     assert len(running_ids) <= scheduler.max_num_running_reqs
     assert len(set(running_ids + waiting_ids)) == len(running_ids) + len(waiting_ids)
     assert set(running_ids + waiting_ids) == set(scheduler.requests)
-    assert set(kv.req_to_blocks) <= set(scheduler.requests), "blocks of a gone request"
+    for manager in kv.coordinator.single_type_managers:
+        assert set(manager.req_to_blocks) <= set(scheduler.requests), "blocks of a gone request"
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING, request.request_id
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0
-        assert not kv.req_to_blocks.get(request.request_id)
+        assert not any(held_blocks(kv, request.request_id))
     for req_id, request in scheduler.requests.items():
         assert request.request_id == req_id and not request.is_finished()
-        assert 0 <= request.num_computed_tokens <= request.num_tokens
+        # Computed tokens may run ahead of the known ones by the drafts handed to the worker.
+        assert 0 <= request.num_computed_tokens <= request.num_tokens + max_num_spec_tokens
         assert request.num_tokens <= scheduler.max_model_len
-        num_blocks = len(kv.req_to_blocks.get(req_id, ()))
-        # Blocks are allocated exactly for the computed tokens (schedule() advances both).
-        assert num_blocks == cdiv(request.num_computed_tokens, kv.block_size), (
-            req_id,
-            num_blocks,
-            request.num_computed_tokens,
-        )
-        if kv.enable_caching and request.status == RequestStatus.RUNNING:
-            # Only full blocks are cached, and only under their own hash.
-            for i, block in enumerate(kv.req_to_blocks.get(req_id, ())):
-                if block.block_hash is not None:
-                    assert (i + 1) * kv.block_size <= request.num_computed_tokens, (req_id, i)
-                    assert block.block_hash == request.block_hashes[i], (req_id, i)
+        for group_id, blocks in enumerate(held_blocks(kv, req_id)):
+            # Blocks are allocated exactly for the computed tokens (schedule() advances both),
+            # plus the slots of rejected drafts.
+            num_computed = request.num_computed_tokens
+            assert (
+                cdiv(num_computed, kv.block_size)
+                <= len(blocks)
+                <= cdiv(num_computed + max_num_spec_tokens, kv.block_size)
+            ), (req_id, group_id, len(blocks), num_computed)
+            if kv.enable_caching and request.status == RequestStatus.RUNNING:
+                # Only full blocks are cached, and only under their own hash.
+                for i, block in enumerate(blocks):
+                    if block.block_hash is not None:
+                        assert (i + 1) * kv.block_size <= request.num_computed_tokens, (req_id, i)
+                        assert block.block_hash == (request.block_hashes[i], group_id), (req_id, i)
 
 
 def check_output_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= scheduler.max_num_scheduled_tokens
     assert len(so.num_scheduled_tokens) <= scheduler.max_num_running_reqs
+    assert so.scheduled_spec_decode_tokens.keys() <= so.num_scheduled_tokens.keys()
+    for req_id in so.num_scheduled_tokens:
+        # Drafts are the last tokens of the request's scheduled ones, after its known tokens.
+        request = scheduler.requests[req_id]
+        drafts = so.scheduled_spec_decode_tokens.get(req_id)
+        if drafts is None:
+            assert request.num_computed_tokens <= request.num_tokens, req_id
+            continue
+        assert drafts and len(drafts) < so.num_scheduled_tokens[req_id], (req_id, drafts)
+        assert request.num_computed_tokens == request.num_tokens + len(drafts), req_id
+        assert request.num_computed_tokens <= scheduler.max_model_len, req_id
+        assert not request.spec_token_ids, f"{req_id} kept drafts it handed to the worker"
     if not scheduler.enable_chunked_prefill:
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         starts.update(
@@ -428,18 +559,24 @@ def check_output_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
                 strict=True,
             )
         )
-        for req_id, n in so.num_scheduled_tokens.items():
+        for req_id, num_scheduled in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
-            assert request.num_computed_tokens == request.num_tokens, "prompt was chunked"
+            num_drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            n = num_scheduled - num_drafts
+            assert request.num_computed_tokens - num_drafts == request.num_tokens, (
+                "prompt was chunked"
+            )
             # A decode, or everything not computed yet (from 0, or from a prefix cache hit).
             assert n == 1 or n == request.num_tokens - starts[req_id], (req_id, n)
             if not scheduler.kv_cache_manager.enable_caching:
                 assert n == 1 or n == request.num_tokens, (req_id, n)
 
 
-def check_invariants(scheduler: Scheduler, so: SchedulerOutput | None = None) -> None:
-    check_block_invariants(scheduler)
-    check_request_invariants(scheduler)
+def check_invariants(
+    scheduler: Scheduler, so: SchedulerOutput | None = None, max_num_spec_tokens: int = 0
+) -> None:
+    check_block_invariants(scheduler.kv_cache_manager)
+    check_request_invariants(scheduler, max_num_spec_tokens)
     if so is not None:
         check_output_invariants(scheduler, so)
 
@@ -461,14 +598,20 @@ class RunResult:
 def step(
     scheduler: Scheduler, worker: FakeWorker, result: RunResult | None = None
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One engine step with every invariant checked: schedule -> worker -> update."""
+    """One engine step with every invariant checked: schedule -> worker -> update, then the
+    worker's drafts go to the requests still running (what EngineCore will do)."""
     so = scheduler.schedule()
-    check_invariants(scheduler, so)
+    check_invariants(scheduler, so, worker.max_num_draft_tokens)
     if scheduler.has_unfinished_requests():
         assert so.total_num_scheduled_tokens > 0, "no progress although requests are unfinished"
     mro = worker.execute_model(so, scheduler)
     outs = scheduler.update_from_output(so, mro)
-    check_invariants(scheduler)
+    for req_id, drafts in worker.draft_token_ids.items():
+        request = scheduler.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.RUNNING:
+            request.spec_token_ids = drafts
+    worker.draft_token_ids = {}
+    check_invariants(scheduler, max_num_spec_tokens=worker.max_num_draft_tokens)
     if result is not None:
         result.scheduler_outputs.append(so)
         result.finished_ids_sent.extend(so.finished_req_ids)
@@ -512,7 +655,7 @@ def run_to_completion(
     else:
         raise AssertionError(f"not finished after {max_steps} steps")
     final = scheduler.schedule()
-    check_invariants(scheduler, final)
+    check_invariants(scheduler, final, worker.max_num_draft_tokens)
     assert final.total_num_scheduled_tokens == 0
     worker.execute_model(final, scheduler)
     result.finished_ids_sent.extend(final.finished_req_ids)
@@ -525,7 +668,8 @@ def run_to_completion(
 def assert_engine_empty(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    assert not kv.req_to_blocks
+    for manager in kv.coordinator.single_type_managers:
+        assert not manager.req_to_blocks and not manager.num_cached_block
     assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
     assert kv.usage == 0.0

@@ -1,12 +1,17 @@
 """Iteration-level scheduler: continuous batching with chunked prefill and preemption.
 
 NOTE on the algorithm (vLLM V1's): there is no prefill phase and no decode phase. Each request
-has `num_computed_tokens` and `num_tokens`; every step the scheduler hands out a budget of
-`max_num_batched_tokens` so that computed tokens catch up with known tokens. A decode is a
-request one token behind; a prefill chunk is a request many tokens behind, cut to the budget.
-Running requests are served first, in admission order; waiting requests are admitted after,
-in arrival order. When the KV cache runs out, the most recently admitted running request is
-preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed.
+has `num_computed_tokens` and `num_tokens_with_spec` (its known tokens plus the draft tokens to
+verify); every step the scheduler hands out a budget of `max_num_batched_tokens` so that
+computed tokens catch up. A decode is a request one token behind (plus its drafts); a prefill
+chunk is a request many tokens behind, cut to the budget. Running requests are served first, in
+admission order; waiting requests are admitted after, in arrival order. When the KV cache runs
+out, the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the head of the queue, to be recomputed.
+
+After the step, update_from_output appends each request's sampled tokens one at a time (a step
+may give several: accepted drafts plus one), stops at the first stop condition, and takes back
+the computed draft tokens that were rejected.
 """
 
 from __future__ import annotations
@@ -15,37 +20,33 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.core.kv_cache_interface import KVCacheConfig
     from minivllm.core.outputs import ModelRunnerOutput
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        num_blocks = cache_config.num_gpu_blocks
-        if num_blocks is None:
-            raise ValueError("cache_config.num_gpu_blocks must be set before building the Scheduler")
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        """`kv_cache_config` comes from core/kv_cache_utils.py: get_kv_cache_config, which also
+        checks that one request of max_model_len tokens fits (so preemption always makes
+        progress)."""
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        blocks_per_request = cdiv(self.max_model_len, cache_config.block_size)
-        if blocks_per_request > num_blocks - 1:
-            # NOTE: this guarantees progress: one request alone always fits, so preemption
-            # can always make room for the oldest running request.
-            raise ValueError(
-                f"The KV cache ({num_blocks - 1} usable blocks of {cache_config.block_size} "
-                f"tokens) cannot hold one request of max_model_len={self.max_model_len} tokens "
-                f"({blocks_per_request} blocks). Increase the KV cache size or decrease max_model_len."
-            )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            cache_config.block_size,
+            kv_cache_config,
             self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
@@ -111,9 +112,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         scheduled_running, preempted = self._schedule_running(
-            token_budget, num_scheduled_tokens, new_block_ids
+            token_budget, num_scheduled_tokens, new_block_ids, scheduled_spec_decode_tokens
         )
         token_budget -= sum(num_scheduled_tokens.values())
         scheduled_new: list[Request] = []
@@ -125,7 +127,7 @@ class Scheduler:
             )
         output = self._make_output(
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
-            new_block_ids, preempted,
+            new_block_ids, scheduled_spec_decode_tokens, preempted,
         )
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -136,15 +138,23 @@ class Scheduler:
         self,
         token_budget: int,
         num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, list[int]],
+        new_block_ids: dict[str, tuple[list[int], ...]],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> tuple[list[Request], list[Request]]:
-        """Give each running request its next chunk (or decode token), preempting on OOM."""
+        """Give each running request its next chunk (or decode token and draft tokens),
+        preempting on OOM."""
         scheduled: list[Request] = []
         preempted: list[Request] = []
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = min(
+                request.num_tokens_with_spec - request.num_computed_tokens,
+                token_budget,
+                # NOTE: draft tokens never take a request past max_model_len (known tokens
+                # never do), so one request never needs more blocks than the cache holds.
+                self.max_model_len - request.num_computed_tokens,
+            )
             while (blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -154,17 +164,31 @@ class Scheduler:
             if blocks is None:
                 break
             scheduled.append(request)
+            if request.spec_token_ids:
+                self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
             new_block_ids[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
         return scheduled, preempted
 
+    @staticmethod
+    def _schedule_spec_tokens(
+        request: Request, num_new_tokens: int, scheduled_spec_decode_tokens: dict[str, list[int]]
+    ) -> None:
+        """Hand the worker the draft tokens that fit in this step's tokens (those after the
+        request's known ones). The request keeps none: the proposer drafts anew after each step.
+        """
+        num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+        spec_token_ids, request.spec_token_ids = request.spec_token_ids, []
+        if num_spec_tokens > 0:
+            scheduled_spec_decode_tokens[request.request_id] = spec_token_ids[:num_spec_tokens]
+
     def _schedule_waiting(
         self,
         token_budget: int,
         num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, list[int]],
+        new_block_ids: dict[str, tuple[list[int], ...]],
     ) -> tuple[list[Request], list[Request]]:
         """Admit waiting requests in arrival order while budget, seats and blocks allow."""
         scheduled_new: list[Request] = []
@@ -196,10 +220,12 @@ class Scheduler:
         return scheduled_new, scheduled_resumed
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop the KV, restart from token 0 when readmitted."""
+        """Preempt by recompute: drop the KV (and the drafts), restart from token 0 (or its
+        prefix cache hit) when readmitted."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -210,7 +236,8 @@ class Scheduler:
         scheduled_resumed: list[Request],
         scheduled_running: list[Request],
         num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, list[int]],
+        new_block_ids: dict[str, tuple[list[int], ...]],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
         preempted: list[Request],
     ) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids
@@ -235,6 +262,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={req.request_id for req in preempted},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         self.finished_req_ids = set()
         return output
@@ -249,26 +277,32 @@ class Scheduler:
         stopped: dict[str, None] = {}  # NOTE: ordered, so blocks are freed in batch order
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         row = 0
-        for req_id, new_token_ids in zip(
+        for req_id, sampled_token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
-            first_row, row = row, row + len(new_token_ids)
+            first_row, row = row, row + len(sampled_token_ids)
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
-                continue
+                continue  # finished or aborted while the step ran
+            if req_id in spec_decode_tokens:
+                self._take_back_rejected_tokens(
+                    request, len(spec_decode_tokens[req_id]), len(sampled_token_ids)
+                )
             new_prompt_logprobs = prompt_logprobs.get(req_id)
-            if not new_token_ids and new_prompt_logprobs is None:
+            if not sampled_token_ids and new_prompt_logprobs is None:
                 continue
-            if new_token_ids:
-                request.append_output_token_ids(new_token_ids)
-                if self._check_stop(request):
-                    stopped[req_id] = None
+            new_token_ids = self._append_output_tokens(request, sampled_token_ids)
+            if request.is_finished():
+                stopped[req_id] = None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=self._slice_logprobs(request, logprobs, first_row, row),
+                    new_logprobs=self._slice_logprobs(
+                        request, logprobs, first_row, first_row + len(new_token_ids)
+                    ),
                     new_prompt_logprobs=new_prompt_logprobs,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
@@ -281,7 +315,28 @@ class Scheduler:
                 self._free_request(self.requests[req_id])
         return outputs
 
+    @staticmethod
+    def _take_back_rejected_tokens(
+        request: Request, num_draft_tokens: int, num_sampled_tokens: int
+    ) -> None:
+        """A request that verified k draft tokens and got m tokens back accepted m - 1 of them:
+        the k + 1 - m tokens computed after the last accepted one are not part of it.
+
+        NOTE: the blocks of the rejected tokens stay with the request; the next step writes
+        the KV of the right tokens over them.
+        """
+        request.num_computed_tokens -= num_draft_tokens + 1 - num_sampled_tokens
+
+    def _append_output_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append the tokens one at a time until one stops the request; the tokens appended."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_ids([token_id])
+            if self._check_stop(request):
+                return token_ids[: i + 1]
+        return token_ids
+
     def _check_stop(self, request: Request) -> bool:
+        """Whether the request's last token ends it (and with which status and stop reason)."""
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
@@ -289,14 +344,13 @@ class Scheduler:
         if request.num_output_tokens < params.min_tokens:
             return False
         last_token_id = request.output_token_ids[-1]
-        if not params.ignore_eos and last_token_id == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if params.stop_token_ids and last_token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last_token_id
-            return True
-        return False
+        if last_token_id not in params.get_stop_token_ids(request.eos_token_id):
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        # NOTE: EOS is reported as no stop reason (vLLM's convention), a stop token as itself.
+        is_eos = last_token_id == request.eos_token_id and not params.ignore_eos
+        request.stop_reason = None if is_eos else last_token_id
+        return True
 
     @staticmethod
     def _slice_logprobs(

@@ -1,0 +1,133 @@
+"""The block bookkeeping of one KV cache group: which blocks each request holds, and which of
+them are in the prefix cache.
+
+The KVCacheCoordinator owns one manager per group, all drawing from one shared BlockPool. What
+depends on how the group's layers attend is a method here: how many blocks a request needs, which
+blocks it no longer needs, and what counts as a prefix cache hit. Full attention (every token
+attends to all earlier ones) is the only kind today; a sliding window manager overrides those
+methods (issue 24).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from minivllm.core.kv_cache_interface import FullAttentionSpec
+from minivllm.utils import cdiv
+
+if TYPE_CHECKING:
+    from minivllm.core.block_pool import BlockPool, KVCacheBlock
+    from minivllm.core.kv_cache_interface import KVCacheSpec
+    from minivllm.core.kv_cache_utils import BlockHash
+    from minivllm.core.request import Request
+
+
+class SingleTypeKVCacheManager(ABC):
+    """Per-request block lists of one KV cache group."""
+
+    def __init__(
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Free blocks it takes for the request to have slots for `num_tokens` tokens, its
+        prefix cache hit `new_computed_blocks` included."""
+        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - num_held)
+        # Cached blocks nobody uses sit in the free queue: touching them uses up free blocks.
+        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        return num_new_blocks + num_evictable_computed
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Take the prefix cache hit of a request being admitted (before any new block)."""
+        self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks.setdefault(request_id, []).extend(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Give the request slots for `num_tokens` tokens; returns the blocks added."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(
+        self, request: Request, block_hashes: list[BlockHash], num_tokens: int
+    ) -> None:
+        """Enter the request's blocks that are full once its first `num_tokens` tokens are
+        computed (`block_hashes` covers at least those)."""
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        self.block_pool.cache_full_blocks(
+            blocks[start:num_full], block_hashes[start:num_full], self.kv_cache_group_id
+        )
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Return all blocks of the request to the pool.
+
+        NOTE: blocks are freed tail first, so that the end of a sequence is evicted before its
+        (more shareable) beginning.
+        """
+        self.num_cached_block.pop(request_id, None)
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    @abstractmethod
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks that no later token will read, before the request grows."""
+
+    @abstractmethod
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """The cached blocks a new request of these hashes can start from: the longest hit of
+        at most `max_length` tokens (len(result) * block_size tokens)."""
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every token attends to all earlier ones: a request keeps a block for each of its tokens."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Nothing to free: every block is read again by the next token."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """The leading blocks that are all cached (a hit needs the whole prefix)."""
+        hit_blocks = []
+        for block_hash in block_hashes[: max_length // self.block_size]:
+            block = self.block_pool.get_cached_block(block_hash, self.kv_cache_group_id)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        return hit_blocks
+
+
+spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+) -> SingleTypeKVCacheManager:
+    """The manager for a group of layers with this spec."""
+    return spec_manager_map[type(kv_cache_spec)](kv_cache_spec, block_pool, kv_cache_group_id)

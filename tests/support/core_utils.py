@@ -456,7 +456,7 @@ def check_block_invariants(kv: KVCacheManager) -> None:
     held_count: Counter[int] = Counter()
     held_by_group: list[set[int]] = []  # the ids each group's requests hold
     for manager in kv.coordinator.single_type_managers:
-        assert set(manager.num_cached_block) <= set(manager.req_to_blocks)
+        assert set(manager.num_cached_blocks) <= set(manager.req_to_blocks)
         group_held: set[int] = set()
         for blocks in manager.req_to_blocks.values():
             ids = [b.block_id for b in blocks]
@@ -669,7 +669,7 @@ def assert_engine_empty(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
     for manager in kv.coordinator.single_type_managers:
-        assert not manager.req_to_blocks and not manager.num_cached_block
+        assert not manager.req_to_blocks and not manager.num_cached_blocks
     assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
     assert kv.usage == 0.0

@@ -120,10 +120,10 @@ class KVCacheManager:
         if new_blocks is None:
             return None
         if self.enable_caching:
-            # NOTE: only known tokens are hashed: blocks holding draft tokens stay uncached.
-            # Their KV is written during this step's forward pass, before any attention of the
-            # same layer reads it, so a request admitted later in the same step may already
-            # share them.
+            # NOTE: only blocks full of known tokens are cached (drafts are never hashed). The
+            # KV of those blocks is written during this step's forward pass, before any
+            # attention of the same layer reads it, so a request admitted later in the same
+            # step may already share them.
             block_hashes = update_block_hashes(request, self.block_size, self.hash_fn)
             num_known_tokens = min(num_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, block_hashes, num_known_tokens)

@@ -36,7 +36,7 @@ class SingleTypeKVCacheManager(ABC):
         self.kv_cache_group_id = kv_cache_group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
+        self.num_cached_blocks: dict[str, int] = {}
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -70,14 +70,14 @@ class SingleTypeKVCacheManager(ABC):
         """Enter the request's blocks that are full once its first `num_tokens` tokens are
         computed (`block_hashes` covers at least those)."""
         num_full = num_tokens // self.block_size
-        start = self.num_cached_block.get(request.request_id, 0)
+        start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         blocks = self.req_to_blocks[request.request_id]
         self.block_pool.cache_full_blocks(
             blocks[start:num_full], block_hashes[start:num_full], self.kv_cache_group_id
         )
-        self.num_cached_block[request.request_id] = num_full
+        self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Return all blocks of the request to the pool.
@@ -85,7 +85,7 @@ class SingleTypeKVCacheManager(ABC):
         NOTE: blocks are freed tail first, so that the end of a sequence is evicted before its
         (more shareable) beginning.
         """
-        self.num_cached_block.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))

@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
-from core_utils import create_kv_cache_manager, create_requests, make_kv_cache_config
+from core_utils import (
+    check_block_invariants,
+    create_kv_cache_manager,
+    create_requests,
+    make_kv_cache_config,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm.core.kv_cache_coordinator import KVCacheCoordinator
 from minivllm.core.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -318,3 +325,80 @@ def test_cache_hit_is_asked_again_until_all_groups_agree(
     assert num_hit_tokens == 4 * num_hit_blocks
     for group_id, blocks in enumerate(hit):
         assert blocks == [pool.get_cached_block(h, group_id) for h in hashes[:num_hit_blocks]]
+
+
+# ---- random operation sequences -----------------------------------------------------------------
+
+
+def _check_tables(kv: KVCacheManager, running) -> None:
+    """Every group's table of every running request covers exactly its computed tokens, and
+    its cached blocks hold full blocks of its own prefix, under the group's key."""
+    for request in running:
+        for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
+            assert len(block_ids) == cdiv(request.num_computed_tokens, kv.block_size)
+            for i, block_id in enumerate(block_ids):
+                block = kv.block_pool.blocks[block_id]
+                if block.block_hash is not None:
+                    assert (i + 1) * kv.block_size <= request.num_computed_tokens
+                    assert block.block_hash == (request.block_hashes[i], group_id)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_random_allocate_free_and_preempt_keep_the_pool_consistent(data):
+    def ints(lo: int, hi: int) -> int:
+        return data.draw(st.integers(lo, hi))
+
+    block_size = (1, 2, 4)[ints(0, 2)]
+    max_model_len = ints(8, 40)
+    num_groups = ints(1, 2)
+    blocks_per_req = cdiv(max_model_len, block_size)
+    num_blocks = num_groups * (blocks_per_req + ints(0, blocks_per_req)) + 1
+    kv = create_kv_cache_manager(
+        num_blocks, block_size, max_model_len, num_groups, enable_caching=ints(0, 1) == 1
+    )
+    prefixes = [[100 + ints(0, 3) for _ in range(ints(0, 12))] for _ in range(2)]
+    running, waiting = [], []
+    for index in range(ints(1, 40)):
+        op = ints(0, 3)
+        if op == 0 or not running:  # admit a new or a preempted request
+            if waiting and ints(0, 1):
+                request = waiting.pop(ints(0, len(waiting) - 1))
+            else:
+                suffix = [200 + ints(0, 3) for _ in range(ints(1, 12))]
+                prompt = (prefixes[ints(0, 1)] + suffix)[: max_model_len - 1]
+                (request,) = create_requests(1, prompts=[prompt], start_index=index)
+            hit, num_hit = kv.get_computed_blocks(request)
+            num_new = ints(1, request.num_tokens - num_hit)
+            before = _pool_snapshot(kv)
+            if kv.allocate_slots(request, num_new, hit) is None:
+                assert _pool_snapshot(kv) == before
+                waiting.append(request)
+            else:
+                request.num_computed_tokens = num_hit + num_new
+                running.append(request)
+        elif op == 1:  # a prefill chunk, or a decode after sampling a token
+            request = running[ints(0, len(running) - 1)]
+            if request.num_computed_tokens == request.num_tokens:
+                if request.num_tokens == max_model_len:
+                    continue
+                request.append_output_token_ids([300 + ints(0, 3)])
+            num_new = ints(1, request.num_tokens - request.num_computed_tokens)
+            before = _pool_snapshot(kv)
+            if _grow_groups(kv, request, num_new) is None:
+                assert _pool_snapshot(kv) == before
+        else:  # finish (2) or preempt (3) a request
+            request = running.pop(ints(0, len(running) - 1))
+            kv.free(request)
+            kv.free(request)  # a second free frees nothing
+            request.num_computed_tokens = 0
+            if op == 3:
+                waiting.append(request)
+        check_block_invariants(kv)
+        _check_tables(kv, running)
+    for request in running:
+        kv.free(request)
+    check_block_invariants(kv)
+    assert kv.get_num_free_blocks() == num_blocks - 1 and kv.usage == 0.0
+    assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks[1:])
+    assert kv.reset_prefix_cache() and not kv.block_pool.cached_block_hash_to_block

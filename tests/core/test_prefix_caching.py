@@ -693,6 +693,54 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     assert b.output_token_ids == [T0, T0 + 1, T0 + 2]
 
 
+def test_two_groups_preempt_resume_at_the_cache_hit_and_free_everything():
+    """The scenario above with two KV cache groups over twice the blocks: every step allocates,
+    caches, frees and hits in both groups, and the fake worker checks both groups' KV."""
+    scheduler = create_scheduler(
+        num_blocks=11,
+        block_size=4,
+        max_model_len=20,
+        enable_prefix_caching=True,
+        num_kv_cache_groups=2,
+    )
+    worker = FakeWorker()
+    a, b = create_requests(2, prompt_len=8, max_tokens=[4, 3])
+    _add(scheduler, [a, b])
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+
+    so, _ = step(scheduler, worker)
+    assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [
+        ("0", ([1, 2], [3, 4])),
+        ("1", ([5, 6], [7, 8])),
+    ]
+    assert len(pool.cached_block_hash_to_block) == 8  # 2 full blocks x 2 requests x 2 groups
+    so, _ = step(scheduler, worker)  # a takes blocks 9 and 10; b needs 2 too: b preempts itself
+    assert so.preempted_req_ids == {"1"} and _cached(so) == {"0": (False, ([9], [10]), 8)}
+    assert pool.free_block_queue.block_ids() == [6, 5, 8, 7]  # cached: to the tail, in order
+    assert kv.get_block_ids("1") == ([], [])
+
+    for _ in range(2):  # b: 2 hit blocks + 1 new in each group = 6 > 4 free blocks
+        so, _ = step(scheduler, worker)
+        assert so.num_scheduled_tokens == {"0": 1}
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # a's partial last blocks went to the head, its cached ones to the tail; group 0 first.
+    assert pool.free_block_queue.block_ids() == [10, 9, 6, 5, 8, 7, 2, 1, 4, 3]
+
+    so, outs = step(scheduler, worker)
+    assert _cached(so) == {"1": (True, ([5, 6, 10], [7, 8, 9]), 8)}  # resumed at its hit
+    assert so.num_scheduled_tokens == {"1": 1}
+    assert [o.new_token_ids for o in outs] == [[T0 + 1]]
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits) == (
+        3,
+        8 + 8 + 9,
+        8,
+    )
+    run_to_completion(scheduler, worker=worker)  # ends with every block free in both groups
+    assert b.output_token_ids == [T0, T0 + 1, T0 + 2]
+
+
 def test_preempted_request_whose_blocks_were_evicted_restarts_from_zero():
     scheduler = create_scheduler(
         num_blocks=6, block_size=4, max_model_len=20, enable_prefix_caching=True

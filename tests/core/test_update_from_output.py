@@ -127,6 +127,22 @@ def test_rejected_drafts_are_taken_back_and_their_blocks_reused(num_accepted):
     assert so.scheduled_cached_reqs.num_computed_tokens == [5 + num_accepted]
 
 
+def test_no_token_back_takes_back_the_last_token_too():
+    """A runner that sampled nothing for a request with drafts verified nothing: all k + 1
+    tokens are taken back, and the next step computes the last known token again."""
+    scheduler = create_scheduler(block_size=4)
+    (req,) = create_requests(1, prompt_len=4, max_tokens=20)
+    _decoding(scheduler, [req])
+    req.spec_token_ids = [11, 12]
+    so = scheduler.schedule()
+    assert req.num_computed_tokens == 7
+    assert _update(scheduler, so, {"0": []}) == {}
+    assert (req.num_tokens, req.num_computed_tokens) == (5, 4)
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"0": 1}
+    assert so.scheduled_cached_reqs.new_block_ids == [([],)]  # block 2 is still its own
+
+
 def test_drafts_are_cut_to_the_token_budget_and_max_model_len():
     scheduler = create_scheduler(block_size=4, max_num_batched_tokens=3, max_model_len=12)
     a, b = create_requests(2, prompt_len=[3, 3], max_tokens=20)

@@ -456,7 +456,7 @@ def check_block_invariants(kv: KVCacheManager) -> None:
     held_count: Counter[int] = Counter()
     held_by_group: list[set[int]] = []  # the ids each group's requests hold
     for manager in kv.coordinator.single_type_managers:
-        assert set(manager.num_cached_block) <= set(manager.req_to_blocks)
+        assert set(manager.num_cached_blocks) <= set(manager.req_to_blocks)
         group_held: set[int] = set()
         for blocks in manager.req_to_blocks.values():
             ids = [b.block_id for b in blocks]
@@ -470,15 +470,15 @@ def check_block_invariants(kv: KVCacheManager) -> None:
     assert 0 not in free_set and 0 not in held_count, "null block handed out"
     assert not free_set & held_count.keys(), f"free and held: {free_set & held_count.keys()}"
     assert len(free_set) + len(held_count) + 1 == pool.num_blocks, "blocks leaked"
-    for block in pool.blocks:
-        assert block.ref_cnt >= 0, block
-        if block.block_id in free_set:
-            assert block.ref_cnt == 0, block
-        elif block.block_id in held_count:
-            # Shared prefix blocks: one reference per request holding them.
-            assert block.ref_cnt == held_count[block.block_id], (block, held_count[block.block_id])
-            if not kv.enable_caching:
-                assert block.ref_cnt == 1, block
+    ref_cnts = [block.ref_cnt for block in pool.blocks]
+    assert min(ref_cnts) >= 0, ref_cnts
+    in_use = [i for i in free_set if ref_cnts[i]]
+    assert not in_use, f"free blocks in use: {in_use}"
+    # Shared prefix blocks: one reference per request holding them.
+    miscounted = {i: n for i, n in held_count.items() if ref_cnts[i] != n}
+    assert not miscounted, f"ref counts != holders: {miscounted}"
+    if not kv.enable_caching:
+        assert set(held_count.values()) <= {1}, "a block shared although prefix caching is off"
     assert pool.get_usage() == 1.0 - len(free_ids) / (pool.num_blocks - 1)
     # The prefix cache map and the blocks' hashes agree, both ways.
     cache = pool.cached_block_hash_to_block
@@ -669,7 +669,7 @@ def assert_engine_empty(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
     for manager in kv.coordinator.single_type_managers:
-        assert not manager.req_to_blocks and not manager.num_cached_block
+        assert not manager.req_to_blocks and not manager.num_cached_blocks
     assert kv.get_num_free_blocks() == kv.block_pool.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks[1:])
     assert kv.usage == 0.0

@@ -94,8 +94,8 @@ _PLATFORMS = {"cpu": ("minivllm.platforms.cpu", "CpuPlatform"), "cuda": ("minivl
 
 @cache
 def get_platform(device_type: str) -> Platform:
-    """The platform object of a device kind ("cpu", "cuda"); imports torch."""
-    if device_type not in _PLATFORMS:
-        raise ValueError(f"No platform for device type {device_type!r}; supported: {', '.join(_PLATFORMS)}.")
-    module_name, class_name = _PLATFORMS[device_type]
+    """The platform object of a device kind ("cpu", "cuda"); imports torch. Other kinds (meta,
+    where layers are built only for their shapes) get the UnspecifiedPlatform: torch's reference
+    paths, nothing else. Which devices an engine may run on is resolve_device's decision."""
+    module_name, class_name = _PLATFORMS.get(device_type, ("minivllm.platforms.interface", "UnspecifiedPlatform"))
     return getattr(importlib.import_module(module_name), class_name)()

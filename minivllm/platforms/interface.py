@@ -67,3 +67,20 @@ class Platform(ABC):
         there would survive its zero attention weight (0 * NaN = NaN).
         """
         return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+
+
+class UnspecifiedPlatform(Platform):
+    """A device kind minivllm has no platform for: every layer takes its torch path."""
+
+    device_type = "unspecified"
+
+    def use_custom_kernels(self, dtype: torch.dtype) -> bool:
+        return False
+
+    def attention_backend_names(self, dtype: torch.dtype, head_size: int) -> list[str]:
+        return ["TORCH_REF"]
+
+    def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
+        if cache_config.kv_cache_memory_bytes is None:
+            raise ValueError("Set kv_cache_memory_bytes: this device has no platform to size the KV cache.")
+        return cache_config.kv_cache_memory_bytes

@@ -72,8 +72,7 @@ class SamplingBatch:
             params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         )
         self.params[row] = params
-        eos = [] if params.ignore_eos or eos_token_id is None else [eos_token_id]
-        self.stop_ids[row] = [*params.stop_token_ids, *eos]
+        self.stop_ids[row] = params.get_stop_token_ids(eos_token_id)
         self.generators.pop(row, None)
         if generator is not None:
             self.generators[row] = generator

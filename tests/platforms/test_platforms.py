@@ -14,7 +14,7 @@ from minivllm.ops import cpu_kernels
 from minivllm.platforms import _torch_cuda_version, cuda_available, get_platform, resolve_device
 from minivllm.platforms.cpu import CpuPlatform
 from minivllm.platforms.cuda import CudaPlatform
-from minivllm.platforms.interface import GiB
+from minivllm.platforms.interface import GiB, UnspecifiedPlatform
 
 
 def test_auto_device_agrees_with_torch():
@@ -30,11 +30,14 @@ def test_cuda_refused_without_cuda():
         resolve_device("cuda:1")
 
 
-def test_unknown_devices_refused():
+def test_unknown_devices_refused_but_their_layers_built():
+    """An engine cannot run on a device without a platform; a layer built there (meta, for its
+    shapes) takes the torch path."""
     with pytest.raises(ValueError, match="Unsupported device 'tpu'"):
         resolve_device("tpu")
-    with pytest.raises(ValueError, match="No platform for device type 'tpu'"):
-        get_platform("tpu")
+    meta = get_platform("meta")
+    assert isinstance(meta, UnspecifiedPlatform) and not meta.use_custom_kernels(torch.float32)
+    assert meta.attention_backend_names(torch.float32, 64) == ["TORCH_REF"]
 
 
 def test_resolving_the_device_imports_no_torch():

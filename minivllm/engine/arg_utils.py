@@ -27,7 +27,7 @@ from minivllm.config import (
 from minivllm.logger import init_logger
 from minivllm.model.registry import check_architecture
 from minivllm.platforms import resolve_device
-from minivllm.transformers_utils import get_config, resolve_model_path
+from minivllm.transformers_utils.config import get_config, resolve_model_path
 
 logger = init_logger(__name__)
 
@@ -208,3 +208,8 @@ def _field_docstrings(cls: type) -> dict[str, str]:
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs for AsyncLLM (same fields; vLLM's name for them)."""

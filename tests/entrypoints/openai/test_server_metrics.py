@@ -8,13 +8,13 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import (
     MODEL_NAME,
     TINY_SERVER_ARGS,
     RemoteServer,
     wait_for,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

@@ -15,12 +15,6 @@ import msgspec
 _SAMPLING_EPS = 1e-5
 
 
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
-
-
 class RequestOutputKind(IntEnum):
     """What each RequestOutput of a request carries."""
 
@@ -116,11 +110,3 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
               "allowed_token_ids must not be empty.")
         check(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
               "bad_words must be non-empty strings.")
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM

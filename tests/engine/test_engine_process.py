@@ -299,3 +299,29 @@ def test_no_orphan_when_the_front_end_goes(model, how):
         time.sleep(0.2)
     assert not pid_exists(engine_pid)
     assert not os.path.exists(tmpdir)  # no socket file left behind either
+
+
+def test_front_end_builds_a_gguf_model_without_torch():
+    """For the default GGUF model, the front end's config and tokenizer import no torch (~1.3 s),
+    and the engine process unpickles that config without importing transformers (~2 s of its
+    config classes): each in a fresh interpreter."""
+    front_end = textwrap.dedent("""
+        import pickle, sys
+        from minivllm.engine.arg_utils import EngineArgs
+        from minivllm.transformers_utils.tokenizer import get_tokenizer
+        config = EngineArgs().create_engine_config()
+        tokenizer = get_tokenizer(config.model_config.tokenizer)
+        assert tokenizer.encode("The capital of France is")
+        assert "torch" not in sys.modules, "torch imported"
+        sys.stdout.buffer.write(pickle.dumps(config))
+    """)
+    done = subprocess.run([sys.executable, "-c", front_end], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    engine = textwrap.dedent("""
+        import pickle, sys
+        config = pickle.load(sys.stdin.buffer)
+        print(config.model_config.hf_config.num_hidden_layers, "transformers" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", engine], input=done.stdout, capture_output=True, timeout=120)
+    assert done.stdout.decode().split() == ["30", "False"], done.stderr.decode()
+

@@ -24,17 +24,6 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False

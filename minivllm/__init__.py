@@ -20,7 +20,7 @@ _EXPORTS = {
     "EngineArgs": "minivllm.engine.arg_utils",
     "LLMEngine": "minivllm.engine.llm_engine",
     "AsyncLLM": "minivllm.engine.async_llm",
-    "AsyncEngineArgs": "minivllm.engine.async_llm",
+    "AsyncEngineArgs": "minivllm.engine.arg_utils",
     "EngineDeadError": "minivllm.engine.exceptions",
     "RequestOutputKind": "minivllm.sampling_params",
 }
@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from minivllm.engine.arg_utils import EngineArgs
-    from minivllm.engine.async_llm import AsyncEngineArgs, AsyncLLM
+    from minivllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from minivllm.engine.async_llm import AsyncLLM
     from minivllm.engine.exceptions import EngineDeadError
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.entrypoints.llm import LLM

@@ -15,12 +15,6 @@ import msgspec
 _SAMPLING_EPS = 1e-5
 
 
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
-
-
 class RequestOutputKind(IntEnum):
     """What each RequestOutput of a request carries."""
 
@@ -123,11 +117,3 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         scheduler stops on them, the sampler bans them before min_tokens."""
         eos = [] if self.ignore_eos or eos_token_id is None else [eos_token_id]
         return [*(self.stop_token_ids or ()), *eos]
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM

@@ -155,7 +155,7 @@ async def server_info(url: str, model: str | None, api_key: str | None) -> tuple
 
 
 def main(args: argparse.Namespace) -> None:
-    from minivllm.transformers_utils import get_tokenizer
+    from minivllm.transformers_utils.tokenizer import get_tokenizer
 
     url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     slos = parse_goodput(args.goodput)

@@ -144,7 +144,8 @@ def figures(requests: list[SampleRequest], num_output: int, elapsed: float) -> d
 
 
 def main(args: argparse.Namespace) -> None:
-    from minivllm.transformers_utils import get_config, get_tokenizer, resolve_model_path
+    from minivllm.transformers_utils.config import get_config, resolve_model_path
+    from minivllm.transformers_utils.tokenizer import get_tokenizer
 
     model_path = resolve_model_path(args.model)
     tokenizer = None if args.dataset_name == "random" else get_tokenizer(resolve_model_path(args.tokenizer or args.model))

@@ -27,7 +27,7 @@ from minivllm.config import (
 from minivllm.logger import init_logger
 from minivllm.model.registry import check_architecture
 from minivllm.platforms import resolve_device
-from minivllm.transformers_utils import get_config, resolve_model_path
+from minivllm.transformers_utils.config import get_config, resolve_model_path
 
 logger = init_logger(__name__)
 
@@ -41,38 +41,38 @@ class EngineArgs:
     dtype: str = "auto"
     """Weight and activation dtype: auto, float32, bfloat16, float16. auto takes the checkpoint's
     dtype (bfloat16 for GGUF), using bfloat16 instead of float16 on CPU."""
-    seed: int = 0
+    seed: int = ModelConfig.seed
     """Seed of the global random generator (requests can have their own seed)."""
     max_model_len: int | None = None
     """Maximum tokens (prompt + output) per request; default: the model's context length."""
     max_num_batched_tokens: int | None = None
     """Token budget of one engine step; default: 8192 (max_model_len if larger and chunked
     prefill is off)."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     """Maximum number of requests in one engine step."""
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     """Tokens per KV cache block."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     """Reuse the KV cache blocks of prompt prefixes computed before (automatic prefix caching)."""
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = CacheConfig.prefix_caching_hash_algo
     """Block hash for prefix caching: sha256 (collision-resistant) or builtin (faster)."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     """On CUDA: fraction of device memory for weights, activations and KV cache."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     """Exact KV cache size in bytes (overrides the other sizing options)."""
     cpu_kvcache_space_gib: float | None = None
     """On CPU: KV cache size in GiB; default: $MINIVLLM_CPU_KVCACHE_SPACE or 4."""
-    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     """Force the number of KV cache blocks (for testing preemption)."""
-    enforce_eager: bool = False
+    enforce_eager: bool = ModelConfig.enforce_eager
     """Run every step eagerly: on CPU, no decode steps replayed from a trace (worker/decode_graph.py)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts across steps so decodes keep flowing."""
-    max_logprobs: int = 20
+    max_logprobs: int = ModelConfig.max_logprobs
     """Most logprobs (and prompt logprobs) a request may ask for."""
-    gguf_int4_decode: bool = True
+    gguf_int4_decode: bool = ModelConfig.gguf_int4_decode
     """On CPU in bfloat16: run a GGUF model's Q4_1 layers with the int4 kernel for steps of up to 8
     tokens (about a quarter off each single-stream decode step); larger steps use the dequantized
     weights."""
@@ -115,7 +115,9 @@ class EngineArgs:
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens
+            if not self.enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
@@ -208,3 +210,8 @@ def _field_docstrings(cls: type) -> dict[str, str]:
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs for AsyncLLM (same fields; vLLM's name for them)."""

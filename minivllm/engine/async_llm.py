@@ -2,11 +2,11 @@
 engine core running in its own process.
 
 generate() tokenizes and validates in this process, sends the request to the engine core, and
-yields RequestOutputs from a per-request queue. One output_handler task receives every step's
-outputs, runs output processing (detokenization, stop strings, logprobs) here, and routes each
-RequestOutput to its request's queue. Cancelling a generate() (or abort()) aborts the request in
-the engine, which frees its blocks. If the engine dies, every pending and future call raises
-EngineDeadError.
+yields RequestOutputs from the request's queue. One output_handler task receives every step's
+outputs and runs output processing (detokenization, stop strings, logprobs) here; the
+OutputProcessor puts each RequestOutput in its request's queue. Cancelling a generate() (or
+abort()) aborts the request in the engine, which frees its blocks. If the engine dies, every
+pending and future call raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from minivllm import envs
 from minivllm.config import VllmConfig
 from minivllm.core.outputs import SchedulerStats
-from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.core_client import AsyncMPClient
 from minivllm.engine.exceptions import EngineDeadError
-from minivllm.engine.parallel_sampling import fan_out
 from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.logger import init_logger
 from minivllm.metrics.reader import Metric, get_metrics_snapshot
@@ -33,12 +31,10 @@ from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from minivllm.engine.output_processor import RequestOutputQueue
+
 logger = init_logger(__name__)
-
-
-@dataclass
-class AsyncEngineArgs(EngineArgs):
-    """EngineArgs for AsyncLLM (same fields; vLLM's name for them)."""
 
 
 class AsyncLLM:
@@ -49,12 +45,11 @@ class AsyncLLM:
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats(startup_seconds=time.perf_counter() - start)
-        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: EngineDeadError | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: AsyncEngineArgs) -> AsyncLLM:
         return cls(engine_args.create_engine_config())
 
     @property
@@ -69,9 +64,7 @@ class AsyncLLM:
         async for output in self.stream_outputs(request_id, queue):
             yield output
 
-    async def stream_outputs(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def stream_outputs(self, request_id: str, queue: RequestOutputQueue) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of a request added with add_request; closing or cancelling the stream
         before the request finished aborts it."""
         finished = False
@@ -86,25 +79,18 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
             raise
-        finally:
-            self.queues.pop(request_id, None)
 
-    async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
-    ) -> asyncio.Queue[RequestOutput | BaseException]:
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutputQueue:
         """Validate and send one request to the engine; a ValueError here means it was rejected
         and nothing was added. Its outputs arrive in the returned queue (see stream_outputs)."""
         self.check_health()
         self._start_output_handler()
-        if request_id in self.queues:
-            raise ValueError(f"Request id {request_id!r} is already in the engine.")
         request, prompt_text = self.processor.process_inputs(request_id, prompt, params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.queues[request_id] = queue
+        queue: RequestOutputQueue = asyncio.Queue()
+        engine_requests = self.output_processor.add_request(request, prompt_text, queue)
         try:
-            for child, parent, index in fan_out(request):
-                self.output_processor.add_request(child, prompt_text, parent, index)
-                await self.engine_core.add_request_async(child)
+            for engine_request in engine_requests:
+                await self.engine_core.add_request_async(engine_request)
         except BaseException:
             # Cancelled (the client left) part-way through a large n: the samples already sent
             # must not go on generating for nobody.
@@ -114,10 +100,9 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: it produces no more output and its blocks are freed in the engine."""
-        self.queues.pop(request_id, None)
         engine_ids = self.output_processor.abort_requests([request_id])
         if not self.errored:
-            await self.engine_core.abort_requests_async(engine_ids)
+            self.engine_core.abort_requests(engine_ids)
 
     def _start_output_handler(self) -> None:
         if self.output_handler is None or self.output_handler.done():
@@ -127,14 +112,11 @@ class AsyncLLM:
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
-                self.stats.record_scheduler_stats(core_outputs.scheduler_stats)
-                processed = self.output_processor.process_outputs(core_outputs.outputs, self.stats)
-                for output in processed.request_outputs:
-                    queue = self.queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-                if processed.reqs_to_abort:
-                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                processed = self.output_processor.process_outputs(core_outputs, self.stats)
+                # The outputs are in their queues, but no caller runs before this task awaits
+                # again: the abort of what a stop string finished leaves first, ahead of
+                # anything a caller who saw that output may send (re-using its id, say).
+                self.engine_core.abort_requests(processed.reqs_to_abort)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -142,8 +124,7 @@ class AsyncLLM:
             if not isinstance(e, EngineDeadError):
                 logger.exception("The output handler failed")
             self.dead_error = error
-            for queue in self.queues.values():
-                queue.put_nowait(error)
+            self.output_processor.propagate_error(error)
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine core is gone."""

@@ -146,13 +146,7 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
 class MPClient:
     """Starts the engine (process or thread), binds the sockets, waits for the handshake."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        asyncio_mode: bool,
-        use_thread: bool = False,
-        process: subprocess.Popen[bytes] | None = None,
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, asyncio_mode: bool, use_thread: bool = False) -> None:
         self.resources = _EngineResources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.encoder = MsgpackEncoder()
@@ -168,7 +162,7 @@ class MPClient:
         self.input_socket.bind(self.input_address)
         self.output_socket.bind(self.output_address)
         res.send_shutdown = self._make_shutdown_sender()
-        res.engine = self._start_engine(vllm_config, use_thread, process)
+        res.engine = self._start_engine(vllm_config, use_thread)
         self._asyncio_mode = asyncio_mode
         self.vllm_config = vllm_config
 
@@ -188,16 +182,13 @@ class MPClient:
     def engine_dead(self) -> bool:
         return self.resources.engine_dead
 
-    def _start_engine(
-        self, vllm_config: VllmConfig, use_thread: bool, process: subprocess.Popen[bytes] | None
-    ) -> Any:
+    def _start_engine(self, vllm_config: VllmConfig, use_thread: bool) -> subprocess.Popen[bytes] | threading.Thread:
         if use_thread:
             args = (vllm_config, self.input_address, self.output_address, None)
             engine = threading.Thread(target=_engine_main, args=args, name="EngineCore", daemon=True)
             engine.start()
             return engine
-        if process is None:
-            process = start_engine_interpreter()
+        process = start_engine_interpreter()
         assert process.stdin is not None
         pickle.dump((self.input_address, self.output_address, os.getpid(), vllm_config), process.stdin)
         process.stdin.close()
@@ -245,22 +236,25 @@ class MPClient:
     def _request_frames(self, request_type: EngineCoreRequestType, payload: Any) -> list[bytes]:
         return [request_type.value, self.encoder.encode(payload)]
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Send an abort now, without awaiting even on the asyncio socket: that one sends at once
+        or queues the message ahead of every later one, so the abort is on its way before the
+        caller does anything else (AsyncLLM relies on it, see its output handler)."""
+        if request_ids and not self.engine_dead:
+            self.input_socket.send_multipart(self._request_frames(EngineCoreRequestType.ABORT, request_ids))
+
     def shutdown(self) -> None:
         self._finalizer()
 
 
 class SyncMPClient(MPClient):
-    def __init__(self, vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None) -> None:
-        super().__init__(vllm_config, asyncio_mode=False, process=process)
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config, asyncio_mode=False)
         self._pending: deque[EngineCoreOutputs] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
         self.input_socket.send_multipart(self._request_frames(EngineCoreRequestType.ADD, request))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.engine_dead:
-            self.input_socket.send_multipart(self._request_frames(EngineCoreRequestType.ABORT, request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
         if self._pending:
@@ -299,10 +293,6 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._check_alive()
         await self.input_socket.send_multipart(self._request_frames(EngineCoreRequestType.ADD, request))
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and not self.engine_dead:
-            await self.input_socket.send_multipart(self._request_frames(EngineCoreRequestType.ABORT, request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next step's outputs; utility results met on the way go to their callers."""
@@ -345,21 +335,11 @@ class AsyncMPClient(MPClient):
 def start_engine_interpreter() -> subprocess.Popen[bytes]:
     """A fresh interpreter for the engine core (spawn semantics: nothing of this process, its
     threads, sockets or CUDA state, is inherited; the package is found where this process found
-    it). It imports the model code at once, then waits on stdin for its addresses and config, so
-    a caller may start it before the config exists and overlap the two (~2-3 s of imports)."""
+    it). It imports the model code, then reads its addresses and config from stdin."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(minivllm.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, "-m", "minivllm.engine.launch"], stdin=subprocess.PIPE, env=env)
-
-
-def discard_engine_interpreter(process: subprocess.Popen[bytes]) -> None:
-    """An interpreter started for a config that never came. It holds nothing yet (no sockets,
-    no model), so it is stopped at once instead of being left to finish its imports."""
-    assert process.stdin is not None
-    process.stdin.close()
-    process.terminate()
-    _stop_process(process)
 
 
 def _engine_main(*args: Any) -> None:
@@ -369,8 +349,5 @@ def _engine_main(*args: Any) -> None:
     run_engine_core(*args)
 
 
-def make_sync_client(
-    vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None
-) -> InprocClient | SyncMPClient:
-    """process: an interpreter from start_engine_interpreter, when multiprocessing is on."""
-    return SyncMPClient(vllm_config, process) if envs.enable_multiprocessing() else InprocClient(vllm_config)
+def make_sync_client(vllm_config: VllmConfig) -> InprocClient | SyncMPClient:
+    return SyncMPClient(vllm_config) if envs.enable_multiprocessing() else InprocClient(vllm_config)

@@ -32,12 +32,11 @@ class IncrementalDetokenizer:
     negligible next to a model step) and keeps the unsettled tail at hand.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
         # The prompt is deliberately not used as decoding context (vLLM primes its stream with the
         # prompt's last tokens): the contract is equality with decoding the output ids alone, and
         # context would change that for SentencePiece-style decoders (the first output token would
         # keep its leading space) while changing nothing for byte-level BPE.
-        del prompt_token_ids
         self.params = params
         self._token_ids: list[int] = []
         self._decoder: _WindowDecoder | None = None

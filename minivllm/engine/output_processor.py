@@ -1,30 +1,45 @@
 """Output processing in the front end: engine-core outputs -> user-facing RequestOutputs.
 
-Per request it detokenizes incrementally, matches stop strings (a match finishes the request
-here, and the engine core is told to abort it), converts logprobs, and shapes each output as
-asked: the whole generation so far, only the new part, or one final output.
+The OutputProcessor holds the front end's state of every request in flight, for LLMEngine and
+AsyncLLM alike. It registers each user request: the one check of its id, the fan-out of n > 1
+into child requests, and the engine-core ids, unique per registration (vLLM's internal request
+ids): outputs of a finished request that were already on their way cannot reach a later request
+with the same user id. Per engine-core output it detokenizes incrementally, matches stop
+strings (a match finishes the request here, and the caller aborts it in the engine core),
+converts logprobs, and shapes each output as asked: the whole generation so far, only the new
+part, or one final output. An output goes to its request's queue (AsyncLLM) or back to the
+caller (LLMEngine).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minivllm.core.outputs import EngineCoreOutput
+import msgspec
+
 from minivllm.core.request import FinishReason
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.logprobs import LogprobsProcessor
-from minivllm.engine.messages import EngineCoreRequest
-from minivllm.engine.parallel_sampling import ParentRequest
+from minivllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from minivllm.engine.parallel_sampling import ParentRequest, fan_out
 from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
+if TYPE_CHECKING:
+    import asyncio
+
+    # Where AsyncLLM's caller receives a request's outputs, or the error that ended the engine.
+    RequestOutputQueue = asyncio.Queue[RequestOutput | BaseException]
+
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the engine core's
+    external_req_id: str  # the user's: what RequestOutputs carry
     parent: ParentRequest | None
     index: int
     prompt: str | None
@@ -33,6 +48,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: LogprobsProcessor
     metrics: RequestMetrics
+    queue: RequestOutputQueue | None  # AsyncLLM's; shared by the children of one request
     # How much of the token ids / logprobs / prompt logprobs earlier DELTA outputs already carried.
     num_sent_tokens: int = 0
     num_sent_prompt_logprobs: int = 0
@@ -41,7 +57,7 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput] = field(default_factory=list)  # of requests without a queue
     # Requests finished here (stop strings) that the engine core is still running.
     reqs_to_abort: list[str] = field(default_factory=list)
 
@@ -49,38 +65,44 @@ class OutputProcessorOutput:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
-        self.parent_requests: dict[str, ParentRequest] = {}
+        self.request_states: dict[str, RequestState] = {}  # by engine-core id
+        self.external_req_ids: dict[str, list[str]] = {}  # user id -> its unfinished engine-core ids
+        self._registrations = itertools.count()
 
     def add_request(
-        self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None = None, index: int = 0
-    ) -> None:
-        if request.request_id in self.request_states:
-            raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
-        params = request.sampling_params
-        self.request_states[request.request_id] = RequestState(
-            request_id=request.request_id,
-            parent=parent,
-            index=index,
-            prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            output_kind=params.output_kind,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
-            logprobs=LogprobsProcessor(self.tokenizer, params),
-            metrics=RequestMetrics(request.arrival_time),
-        )
-        if parent is not None:
-            self.parent_requests[parent.request_id] = parent
+        self, request: EngineCoreRequest, prompt: str | None, queue: RequestOutputQueue | None = None
+    ) -> list[EngineCoreRequest]:
+        """Register a user request (its id is request.request_id); returns the requests for the
+        engine core: one, or n child requests when params.n > 1. A ValueError (the id is in use)
+        leaves everything as it was: this is the check users meet, the scheduler's a safeguard."""
+        external_req_id = request.request_id
+        if external_req_id in self.external_req_ids:
+            raise ValueError(f"Request id {external_req_id!r} is already in the engine.")
+        internal_id = f"{external_req_id}-{next(self._registrations)}"
+        parent, engine_requests = fan_out(msgspec.structs.replace(request, request_id=internal_id))
+        self.external_req_ids[external_req_id] = [r.request_id for r in engine_requests]
+        for index, engine_request in enumerate(engine_requests):
+            params = engine_request.sampling_params
+            self.request_states[engine_request.request_id] = RequestState(
+                request_id=engine_request.request_id,
+                external_req_id=external_req_id,
+                parent=parent,
+                index=index,
+                prompt=prompt,
+                prompt_token_ids=engine_request.prompt_token_ids,
+                output_kind=params.output_kind,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params),
+                logprobs=LogprobsProcessor(self.tokenizer, params),
+                metrics=RequestMetrics(engine_request.arrival_time),
+                queue=queue,
+            )
+        return engine_requests
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests (user ids or child ids); returns the engine-core ids to abort."""
-        engine_ids = []
-        for request_id in request_ids:
-            parent = self.parent_requests.pop(request_id, None)
-            ids = [parent.child_request_id(i) for i in range(parent.num_children)] if parent else [request_id]
-            for engine_id in ids:
-                if self.request_states.pop(engine_id, None) is not None:
-                    engine_ids.append(engine_id)
+        """Forget requests (user ids); returns the engine-core ids to abort."""
+        engine_ids = [i for request_id in request_ids for i in self.external_req_ids.pop(request_id, ())]
+        for engine_id in engine_ids:
+            del self.request_states[engine_id]
         return engine_ids
 
     def has_unfinished_requests(self) -> bool:
@@ -89,11 +111,14 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], stats: EngineStats) -> OutputProcessorOutput:
+    def process_outputs(self, engine_core_outputs: EngineCoreOutputs, stats: EngineStats) -> OutputProcessorOutput:
+        """One engine-core step's outputs: recorded in `stats`, turned into RequestOutputs, which
+        go to their requests' queues or, for requests without one, into the result."""
+        stats.record_scheduler_stats(engine_core_outputs.scheduler_stats)
         result = OutputProcessorOutput()
-        for output in outputs:
+        for output in engine_core_outputs.outputs:
             state = self.request_states.get(output.request_id)
-            if state is None:  # aborted meanwhile
+            if state is None:  # aborted, or finished here by a stop string, meanwhile
                 continue
             if output.new_token_ids:
                 if not state.detokenizer.output_token_ids:
@@ -110,7 +135,7 @@ class OutputProcessor:
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
             finished = finish_reason is not None
             if finished:
-                del self.request_states[output.request_id]
+                self._finish(state)
                 state.metrics.finished_time = time.monotonic()
                 stats.record_finished(str(finish_reason), state.metrics, len(state.detokenizer.output_token_ids))
             request_output = self._make_request_output(state, finish_reason, stop_reason, finished)
@@ -119,12 +144,25 @@ class OutputProcessor:
             if state.parent is not None:
                 completion = request_output.outputs[0]
                 request_output = state.parent.add_completion(completion, finished, request_output)
-                if state.parent.finished:
-                    self.parent_requests.pop(state.parent.request_id, None)
                 if request_output is None:
                     continue
-            result.request_outputs.append(request_output)
+            if state.queue is not None:
+                state.queue.put_nowait(request_output)
+            else:
+                result.request_outputs.append(request_output)
         return result
+
+    def _finish(self, state: RequestState) -> None:
+        del self.request_states[state.request_id]
+        engine_ids = self.external_req_ids[state.external_req_id]
+        engine_ids.remove(state.request_id)
+        if not engine_ids:  # its last sample: the user id is free again
+            del self.external_req_ids[state.external_req_id]
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Fail every request that has a queue (the engine died): its caller raises `error`."""
+        for queue in {s.queue for s in self.request_states.values() if s.queue is not None}:
+            queue.put_nowait(error)
 
     def _make_request_output(
         self, state: RequestState, finish_reason: FinishReason | None, stop_reason: int | str | None, finished: bool
@@ -154,7 +192,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
         )
         return RequestOutput(
-            request_id=state.request_id,
+            request_id=state.external_req_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],

@@ -46,26 +46,20 @@ class ParentRequest:
             outputs = [completion]
         else:
             outputs = [c for c in self.completions if c is not None]
-        request_output.request_id = self.request_id
         request_output.outputs = outputs
         request_output.finished = self.finished
         return request_output
 
 
-def fan_out(request: EngineCoreRequest) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+def fan_out(request: EngineCoreRequest) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
     """The engine-core requests for one user request: itself when n == 1, else n children
-    (with their parent and index)."""
+    (with the parent that gathers them)."""
     params = request.sampling_params
     if params.n == 1:
-        return [(request, None, 0)]
+        return None, [request]
     parent = ParentRequest(request.request_id, params)
-    return [
-        (
-            msgspec.structs.replace(
-                request, request_id=parent.child_request_id(i), sampling_params=parent.child_params(i)
-            ),
-            parent,
-            i,
-        )
+    children = [
+        msgspec.structs.replace(request, request_id=parent.child_request_id(i), sampling_params=parent.child_params(i))
         for i in range(params.n)
     ]
+    return parent, children

@@ -15,7 +15,6 @@ from minivllm.config import ModelConfig, VllmConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.sampling_params import SamplingParams
-from minivllm.transformers_utils import get_tokenizer
 
 # What LLM.generate and LLMEngine.add_request accept as one prompt.
 PromptType = str | list[int] | dict[str, Any]
@@ -105,6 +104,9 @@ def start_front_end(vllm_config: VllmConfig, engine_core: Any) -> tuple[Any, Pro
     """Load the tokenizer and build the processors while the engine core starts; then wait for
     it. On any failure the engine core is shut down (no orphan process)."""
     try:
+        # Imported only now, while the engine starts: transformers takes ~0.6 s to import.
+        from minivllm.transformers_utils.tokenizer import get_tokenizer
+
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
         processor = Processor(vllm_config.model_config, tokenizer)
         output_processor = OutputProcessor(tokenizer)

@@ -1,5 +1,9 @@
 """The `minivllm` command: `minivllm serve [MODEL]`, `minivllm generate --prompt ...`,
-`minivllm bench throughput|latency|serve ...`."""
+`minivllm bench throughput|latency|serve ...`.
+
+Building the parser imports no engine, server or model code: each command imports what it runs.
+Every argument is checked (sampling parameters, then engine settings) before an engine starts.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,18 @@ import argparse
 import sys
 
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.entrypoints.openai.cli_args import add_serve_args
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from minivllm import LLM, SamplingParams
+    from minivllm.entrypoints.llm import LLM
+    from minivllm.sampling_params import SamplingParams
 
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.sampling_seed,
     )
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
@@ -40,10 +46,8 @@ def make_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="Start the OpenAI-compatible server.")
-    from minivllm.entrypoints.openai import api_server
-
-    api_server.add_serve_args(serve)
-    serve.set_defaults(func=api_server.run_server)
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
     from minivllm.bench import latency as bench_latency
@@ -59,6 +63,12 @@ def make_parser() -> argparse.ArgumentParser:
         module.add_cli_args(command)
         command.set_defaults(func=module.main)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from minivllm.entrypoints.openai.api_server import run_server
+
+    run_server(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -114,7 +114,8 @@ def _unigram_metaspace() -> transformers.PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def smol() -> Family:
-    from minivllm.model.gguf_loader import default_model_path, load_gguf_tokenizer
+    from minivllm.transformers_utils.gguf_utils import default_model_path
+    from minivllm.transformers_utils.tokenizer import load_gguf_tokenizer
 
     try:
         path = default_model_path()
@@ -167,7 +168,7 @@ class Run:
 def _run(tok: Any, chunks: list[list[int]], params: SamplingParams,
          stop_terminated: bool = False, check_step=None) -> Run:
     """Feed the chunks as a front end would: update, then a (delta) output, until finished."""
-    detok = IncrementalDetokenizer(tok, [1, 2, 3], params)
+    detok = IncrementalDetokenizer(tok, params)
     deltas: list[str] = []
     stop, stop_at = None, None
     for n, chunk in enumerate(chunks):
@@ -254,7 +255,7 @@ def test_hand_written_chat_decoding(smol: Family):
 def test_multibyte_character_is_streamed_once_complete(smol: Family):
     ids = smol.encode("x日")
     assert [smol.decode([i], False) for i in ids] == ["x", FFFD, FFFD]  # 日 = 2 byte-level tokens
-    detok = IncrementalDetokenizer(smol.tok, [], _params())
+    detok = IncrementalDetokenizer(smol.tok, _params())
     out = []
     for i in ids:
         detok.update([i], False)
@@ -325,7 +326,7 @@ def test_any_ids_byte_level_exact_after_every_update(smol: Family, ids, sizes, s
 
 def test_incomplete_character_and_literal_fffd_are_released_at_finish(smol: Family):
     for text, ids in [("x日", smol.encode("x日")[:-1]), ("a" + FFFD, smol.encode("a" + FFFD))]:
-        detok = IncrementalDetokenizer(smol.tok, [], _params())
+        detok = IncrementalDetokenizer(smol.tok, _params())
         detok.update(ids, False)
         assert detok.output_text == smol.decode(ids, True) == text[0] + FFFD
         assert detok.get_next_output_text(finished=False, delta=False) == text[0]
@@ -443,7 +444,7 @@ def test_cost_per_token_does_not_grow_with_output(smol: Family):
     tok = _CountingTokenizer(smol.tok)
     ids = smol.encode(" ".join(TEXTS) * 8)
     assert len(ids) > 1500
-    detok = IncrementalDetokenizer(tok, [], _params())
+    detok = IncrementalDetokenizer(tok, _params())
     for i in ids:
         detok.update([i], False)
         detok.get_next_output_text(finished=False, delta=True)
@@ -454,7 +455,7 @@ def test_cost_per_token_does_not_grow_with_output(smol: Family):
 
 def test_detokenize_false(smol: Family):
     ids = smol.encode("Hello world")
-    detok = IncrementalDetokenizer(smol.tok, [], _params(detokenize=False))
+    detok = IncrementalDetokenizer(smol.tok, _params(detokenize=False))
     assert detok.update(ids[:1], False) is None
     assert detok.update(ids[1:], True) is None
     assert detok.output_text == ""
@@ -502,7 +503,7 @@ def test_stop_string_spanning_tokens(smol: Family, stop: str, span: int, before:
 
 def test_stop_string_holds_back_streamed_text(smol: Family):
     ids = smol.encode("The answer is forty")  # a prefix of the stop string is there
-    detok = IncrementalDetokenizer(smol.tok, [], _params(stop=["forty-two"]))
+    detok = IncrementalDetokenizer(smol.tok, _params(stop=["forty-two"]))
     assert detok.update(ids, False) is None
     assert detok.output_text == "The answer is forty"
     held = "The answer "  # all but the last len("forty-two") - 1 = 8 characters
@@ -511,7 +512,7 @@ def test_stop_string_holds_back_streamed_text(smol: Family):
     assert detok.get_next_output_text(finished=False, delta=True) == ""
     assert detok.get_next_output_text(finished=True, delta=True) == "is forty"
     # With include_stop_str_in_output nothing is ever cut from the text before a match.
-    detok = IncrementalDetokenizer(smol.tok, [], _params(stop=["forty-two"],
+    detok = IncrementalDetokenizer(smol.tok, _params(stop=["forty-two"],
                                                          include_stop_str_in_output=True))
     detok.update(ids, False)
     assert detok.get_next_output_text(finished=False, delta=True) == "The answer is forty"

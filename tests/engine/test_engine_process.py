@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -23,8 +22,6 @@ from minivllm import (
     RequestOutputKind,
     SamplingParams,
 )
-from minivllm.engine import core_client, llm_engine
-from minivllm.engine.arg_utils import EngineArgs
 
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 17, list(range(300, 400))]
 
@@ -141,6 +138,92 @@ def test_abort_by_id(async_llm):
     assert not first.finished and stats.num_running_reqs == 0
 
 
+def sampled(n: int, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True, **kw)
+
+
+def test_fan_out_and_duplicate_ids_in_both_engines(model, monkeypatch):
+    """n = 3 with seed s gives the samples of three n = 1 requests seeded s, s+1, s+2, through
+    LLMEngine and AsyncLLM alike; the id of a request in flight is refused and changes nothing."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    reference = LLM(model, dtype="float32")
+    expected = [o.outputs[0].token_ids
+                for o in reference.generate([PROMPTS[1]] * 3, [sampled(1, 7 + i) for i in range(3)], use_tqdm=False)]
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+
+    engine = LLM(model, dtype="float32").llm_engine
+    engine.add_request("a", PROMPTS[1], sampled(3, 7, output_kind=RequestOutputKind.FINAL_ONLY))
+    with pytest.raises(ValueError, match="'a' is already in the engine"):
+        engine.add_request("a", PROMPTS[0], sampled(1, 0))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step()
+    assert [o.request_id for o in finals] == ["a"]
+    assert [c.token_ids for c in finals[0].outputs] == expected
+    engine.shutdown()
+
+    async def run_async(llm: AsyncLLM) -> dict[int, list[int]]:
+        queue = await llm.add_request("a", PROMPTS[1], sampled(3, 7, output_kind=RequestOutputKind.DELTA))
+        with pytest.raises(ValueError, match="'a' is already in the engine"):
+            await llm.add_request("a", PROMPTS[0], sampled(1, 0))
+        streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        async for out in llm.stream_outputs("a", queue):
+            for completion in out.outputs:
+                streamed[completion.index] += completion.token_ids
+        return streamed
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))
+    try:
+        assert list(asyncio.run(run_async(llm)).values()) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_stop_string_abort_reaches_the_core_before_the_id_is_reused(model, monkeypatch):
+    """A request finished by a stop string is still running in the engine core, which must hear
+    of its abort before anything its caller sends next: re-adding the same id at once (a second
+    ADD before the ABORT would kill the engine core) runs again, to the same text."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    full = LLM(model, dtype="float32").generate(PROMPTS[1], greedy(40), use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    params = greedy(200, stop=[stop])
+    expected = full[: full.index(stop)]
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+
+    engine = LLM(model, dtype="float32").llm_engine
+    texts = []
+    for _ in range(2):
+        engine.add_request("s", PROMPTS[1], params)
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text += out.outputs[0].text
+        texts.append(text)
+    assert texts == [expected, expected]
+    stats = engine.get_scheduler_stats()
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    engine.shutdown()
+
+    async def run_async(llm: AsyncLLM) -> tuple[list[str], float]:
+        results = []
+        for _ in range(2):
+            text, _, reason = await collect(llm, "s", PROMPTS[1], params)
+            assert reason == "stop"
+            results.append(text)
+        for _ in range(50):  # the aborts travel to the engine process
+            stats = await llm.get_scheduler_stats()
+            if stats.num_running_reqs == 0:
+                break
+            await asyncio.sleep(0.05)
+        return results, stats.kv_cache_usage
+
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))
+    try:
+        assert asyncio.run(run_async(llm)) == ([expected, expected], 0.0)
+    finally:
+        llm.shutdown()
+
+
 def test_engine_death_fails_every_caller_fast(async_llm):
     async def main():
         tasks = [asyncio.create_task(collect(async_llm, f"k{i}", PROMPTS[i % 4], greedy(800))) for i in range(6)]
@@ -178,24 +261,6 @@ def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, monkey
                            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         LLM(str(bad), dtype="float32")
-
-
-def test_config_error_ends_the_prestarted_engine_interpreter(model, monkeypatch):
-    """The engine's interpreter starts before the config is read; a bad setting found then is
-    the caller's ValueError, and that interpreter is stopped before the error is raised (no
-    orphan)."""
-    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
-    started = []
-
-    def start():
-        started.append(core_client.start_engine_interpreter())
-        return started[-1]
-
-    monkeypatch.setattr(llm_engine, "start_engine_interpreter", start)
-    with pytest.raises(ValueError, match="block_size must be a power of two"):
-        LLM(model, dtype="float32", block_size=3)
-    assert len(started) == 1
-    assert started[0].poll() is not None
 
 
 def test_in_thread_engine_for_debugging(model, monkeypatch):
@@ -236,20 +301,27 @@ def test_no_orphan_when_the_front_end_goes(model, how):
     assert not os.path.exists(tmpdir)  # no socket file left behind either
 
 
-def test_engine_interpreter_has_config_classes_before_the_config_comes(make_tiny_model):
-    """The engine's interpreter imports transformers' config classes while the front end reads the
-    config: unpickling a config of each supported architecture then imports nothing more from
-    transformers (the import that took ~2 s after the config arrived)."""
-    configs = [EngineArgs(model=str(make_tiny_model(arch)), dtype="float32").create_engine_config()
-               for arch in ("llama", "qwen2", "qwen3")]
-    script = textwrap.dedent("""
+def test_front_end_builds_a_gguf_model_without_torch():
+    """For the default GGUF model, the front end's config and tokenizer import no torch (~1.3 s),
+    and the engine process unpickles that config without importing transformers (~2 s of its
+    config classes): each in a fresh interpreter."""
+    front_end = textwrap.dedent("""
         import pickle, sys
-        from minivllm.transformers_utils import import_config_classes
-        import_config_classes()
-        before = set(sys.modules)
-        configs = pickle.load(sys.stdin.buffer)
-        print(len(configs), sorted(m for m in set(sys.modules) - before if m.startswith("transformers")))
+        from minivllm.engine.arg_utils import EngineArgs
+        from minivllm.transformers_utils.tokenizer import get_tokenizer
+        config = EngineArgs().create_engine_config()
+        tokenizer = get_tokenizer(config.model_config.tokenizer)
+        assert tokenizer.encode("The capital of France is")
+        assert "torch" not in sys.modules, "torch imported"
+        sys.stdout.buffer.write(pickle.dumps(config))
     """)
-    done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(configs),
-                          capture_output=True, timeout=120, check=True)
-    assert done.stdout.decode().split(maxsplit=1) == ["3", "[]\n"]
+    done = subprocess.run([sys.executable, "-c", front_end], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    engine = textwrap.dedent("""
+        import pickle, sys
+        config = pickle.load(sys.stdin.buffer)
+        print(config.model_config.hf_config.num_hidden_layers, "transformers" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", engine], input=done.stdout, capture_output=True, timeout=120)
+    assert done.stdout.decode().split() == ["30", "False"], done.stderr.decode()
+

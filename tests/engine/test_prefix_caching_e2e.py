@@ -10,7 +10,7 @@ from engine_utils import assert_engine_idle
 from reference import check_logprobs_close, smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.gguf_loader import load_gguf_tokenizer
+from minivllm.transformers_utils.tokenizer import load_gguf_tokenizer
 
 BLOCK = 16
 

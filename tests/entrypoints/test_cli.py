@@ -7,6 +7,7 @@ import json
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine import core_client
 from minivllm.entrypoints.cli import main
 
 
@@ -22,9 +23,25 @@ def test_generate_prints_greedy_text(make_tiny_model, capsys):
         assert f"Output: {out.outputs[0].text!r}" in printed
 
 
-def test_generate_reports_bad_arguments(make_tiny_model):
-    with pytest.raises(SystemExit, match="max_model_len=99999 is larger"):
-        main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", "--max-model-len", "99999"])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be non-negative"),
+        (["--top-p", "0"], r"top_p must be in \(0, 1\]"),
+        (["--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--block-size", "3"], "block_size must be a power of two"),
+        (["--dtype", "int3"], "Unsupported dtype"),
+        (["--max-model-len", "99999"], "max_model_len=99999 is larger"),
+    ],
+)
+def test_generate_refuses_bad_arguments_before_starting_an_engine(make_tiny_model, monkeypatch, args, message):
+    """Sampling and engine arguments are checked first: the error comes without an engine
+    process ever being started (before, a bad sampling argument waited for the model to load)."""
+    started = []
+    monkeypatch.setattr(core_client, "start_engine_interpreter", lambda: started.append(args))
+    with pytest.raises(SystemExit, match=message):
+        main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", *args])
+    assert started == []
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

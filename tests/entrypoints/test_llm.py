@@ -77,8 +77,8 @@ def test_eos_stops_unless_ignored(llm):
     assert req.eos_token_id == eos
     engine = llm.llm_engine
     req.eos_token_id = base[0]
-    engine.output_processor.add_request(req, None)
-    engine.engine_core.add_request(req)
+    for engine_request in engine.output_processor.add_request(req, None):
+        engine.engine_core.add_request(engine_request)
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

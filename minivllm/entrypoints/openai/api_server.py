@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
-from minivllm.engine.async_llm import AsyncEngineArgs, AsyncLLM
+from minivllm.engine.arg_utils import AsyncEngineArgs
+from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -181,19 +182,6 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 
 # ---- CLI --------------------------------------------------------------------------------------
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, help="The model (HF directory or .gguf file).")
-    parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="Model name(s) the API answers to (default: the model argument).")
-    parser.add_argument("--api-key", default=None, help="Require `Authorization: Bearer KEY` on /v1 routes.")
-    parser.add_argument("--uvicorn-log-level", default="info")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="On SIGTERM, seconds to let in-flight requests finish before exiting.")
-    AsyncEngineArgs.add_cli_args(parser)
 
 
 def served_names(args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,17 +22,6 @@ def random_id(prefix: str) -> str:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are accepted (clients send extras freely), as OpenAI and vLLM do.
     model_config = ConfigDict(extra="allow")
-
-
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -76,6 +65,12 @@ class SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        return self
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from minivllm.engine.async_llm import AsyncLLM
-from minivllm.entrypoints.openai.protocol import UsageInfo
+from minivllm.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from minivllm.outputs import Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -85,6 +85,13 @@ def top_logprobs(position: dict[int, Logprob], num: int) -> list[tuple[int, Logp
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a stream, as vLLM reads them: usage in a last
+    chunk of its own, and (only with it) in every chunk, counting what that choice has so far."""
+    include_usage = options is not None and options.include_usage
+    return include_usage, include_usage and options.continuous_usage_stats
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

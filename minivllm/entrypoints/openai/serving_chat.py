@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages through the model's chat template, n samples, streamed as
-chat.completion.chunk deltas or returned whole, with OpenAI's chat-style logprobs."""
+chat.completion.chunk deltas or returned whole, with OpenAI's chat-style logprobs, and vLLM's
+`echo` (the reply starts with the last message when that message is the one being continued)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from minivllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     sse,
+    stream_usage,
     top_logprobs,
     usage,
 )
@@ -56,10 +58,12 @@ class OpenAIServingChat(OpenAIServing):
         async for output in stream:
             final = output
         assert final is not None
+        role = response_role(request)
+        echo = echo_text(request, role)
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
-                message=ChatMessage(role="assistant", content=c.text),
+                message=ChatMessage(role=role, content=echo + c.text),
                 logprobs=self._logprobs(c, params.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -107,30 +111,51 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request, request_id, prompt_tokens, logprobs, stream) -> AsyncIterator[str]:
         created = int(time.time())
+        include_usage, continuous_usage = stream_usage(request.stream_options)
+        num_generated = [0] * request.n  # per choice, so far
 
-        def chunk(choices, usage_info=None) -> str:
+        def chunk(choices, completion_tokens: int | None = None) -> str:
+            """One chunk; with continuous usage, the usage of a choice with that many tokens."""
+            chunk_usage = usage(prompt_tokens, completion_tokens) if continuous_usage else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                    choices=choices, usage=usage_info))
+                                                    choices=choices, usage=chunk_usage))
 
-        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(request.n)])
-        num_generated = 0
+        def to_all(delta: DeltaMessage) -> list[ChatCompletionResponseStreamChoice]:
+            return [ChatCompletionResponseStreamChoice(index=i, delta=delta) for i in range(request.n)]
+
+        role = response_role(request)
+        yield chunk(to_all(DeltaMessage(role=role, content="")), 0)
+        if echo := echo_text(request, role):
+            yield chunk(to_all(DeltaMessage(content=echo)), 0)
         async for output in stream:
-            choices = []
             for c in output.outputs:
-                num_generated += len(c.token_ids)
+                num_generated[c.index] += len(c.token_ids)
                 if not c.text and not c.finished() and not c.token_ids:
                     continue
-                choices.append(ChatCompletionResponseStreamChoice(
+                yield chunk([ChatCompletionResponseStreamChoice(
                     index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c, logprobs),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                ))
-            if choices:
-                yield chunk(choices)
-        options = request.stream_options
-        if options is not None and options.include_usage:
-            yield chunk([], usage(prompt_tokens, num_generated))
+                )], num_generated[c.index])
+        if include_usage:
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                   choices=[], usage=usage(prompt_tokens, sum(num_generated))))
         yield SSE_DONE
+
+
+def response_role(request: ChatCompletionRequest) -> str:
+    """The role of the reply (vLLM's rule): the assistant's, or, without a generation prompt, that
+    of the last message, which the model then continues."""
+    if request.add_generation_prompt or not request.messages:
+        return "assistant"
+    return request.messages[-1]["role"]
+
+
+def echo_text(request: ChatCompletionRequest, role: str) -> str:
+    """With echo, what the reply starts with: the last message's content when that message has the
+    reply's role (the message being continued), else nothing."""
+    if not request.echo or not request.messages or request.messages[-1].get("role") != role:
+        return ""
+    return _plain_message(request.messages[-1]).get("content") or ""
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, Any]:

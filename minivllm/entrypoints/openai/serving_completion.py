@@ -20,6 +20,7 @@ from minivllm.entrypoints.openai.serving import (
     OpenAIServing,
     merge_streams,
     sse,
+    stream_usage,
     top_logprobs,
     usage,
 )
@@ -126,32 +127,31 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request, request_id, prompts, streams) -> AsyncIterator[str]:
         created = int(time.time())
-        num_generated = 0
+        include_usage, continuous_usage = stream_usage(request.stream_options)
+        num_generated: dict[int, int] = {}  # per choice, so far
         offsets: dict[int, int] = {}
-        echoed: set[int] = set()
         async for i, output in merge_streams(streams):
-            choices = []
+            text, token_ids = prompts[i]
             for completion in output.outputs:
                 index = i * request.n + completion.index
                 prefix = ""
-                if request.echo and index not in echoed:
-                    echoed.add(index)
-                    text, token_ids = prompts[i]
+                if request.echo and index not in num_generated:  # the prompt comes once, first
                     prefix = text if text is not None else self.tokenizer.decode(token_ids)
-                num_generated += len(completion.token_ids)
+                num_generated[index] = num_generated.get(index, 0) + len(completion.token_ids)
                 logprobs = None
                 if request.logprobs is not None and completion.logprobs:
                     logprobs = self._logprobs(completion.token_ids, completion.logprobs, request.logprobs,
                                               offsets.get(index, 0))
                     offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                choices.append(CompletionResponseChoice(
+                choice = CompletionResponseChoice(
                     index=index, text=prefix + completion.text, logprobs=logprobs,
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                ))
-            yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=choices))
-        options = request.stream_options
-        if options is not None and options.include_usage:
+                )
+                chunk_usage = usage(len(token_ids), num_generated[index]) if continuous_usage else None
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                   choices=[choice], usage=chunk_usage))
+        if include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=[],
-                                               usage=usage(prompt_tokens, num_generated)))
+                                               usage=usage(prompt_tokens, sum(num_generated.values()))))
         yield SSE_DONE

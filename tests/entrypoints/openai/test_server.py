@@ -152,6 +152,35 @@ def test_completion_stream_without_include_usage_has_no_usage(client):
     assert all(c.choices for c in chunks)
 
 
+def test_completion_continuous_usage_stats(client, tokenizer):
+    """With include_usage and continuous_usage_stats, every chunk carries its choice's usage so
+    far: the prompt's tokens, and the tokens that choice has streamed (counted from the chunks'
+    logprobs), as vLLM does; the last chunk the whole request's."""
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    chunks = list(greedy_completion(client, max_tokens=5, n=2, logprobs=0, stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                    **IGNORE_EOS))
+    *content, last = chunks
+    streamed = {0: 0, 1: 0}
+    for chunk in content:
+        [choice] = chunk.choices
+        streamed[choice.index] += len(choice.logprobs.tokens)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
+            prompt_tokens, streamed[choice.index], prompt_tokens + streamed[choice.index])
+    assert streamed == {0: 5, 1: 5}
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, 10)
+    # Without include_usage, continuous_usage_stats adds nothing (vLLM's rule).
+    quiet = greedy_completion(client, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is None for c in quiet)
+
+
+def test_stream_options_need_stream(server):
+    for route, body in (("v1/completions", {"prompt": PROMPT}), ("v1/chat/completions", {"messages": MESSAGES})):
+        response = server.post(route, {**body, "model": MODEL_NAME, "stream_options": {"include_usage": True}})
+        assert response.status_code == 400, response.text
+        assert "stream_options" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_n2(client, stream):
     kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=2, temperature=0,
@@ -372,6 +401,58 @@ def test_chat_n2(client, stream):
     assert reasons == {0: "length", 1: "length"}
     single = greedy_chat(client, max_tokens=5, **IGNORE_EOS).choices[0].message.content
     assert texts[0] == texts[1] == single
+
+
+def test_chat_continuous_usage_stats(client, tokenizer):
+    """Every chunk carries the usage so far: the role chunk none generated yet, then as many
+    completion tokens as the chunks carried logprob entries (one per token)."""
+    prompt_tokens = len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+    chunks = list(greedy_chat(client, max_tokens=6, logprobs=True, stream=True,
+                              stream_options={"include_usage": True, "continuous_usage_stats": True},
+                              **IGNORE_EOS))
+    first, *content, last = chunks
+    assert first.choices[0].delta.role == "assistant"
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (prompt_tokens, 0)
+    streamed = 0
+    for chunk in content:
+        streamed += len(chunk.choices[0].logprobs.content)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
+            prompt_tokens, streamed, prompt_tokens + streamed)
+    assert streamed == 6
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, 6)
+
+
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Red, green"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "template_args", "role", "echoed"),
+    [
+        # Continuing the assistant's last message: the reply starts with it.
+        (CONTINUED, {"add_generation_prompt": False, "continue_final_message": True}, "assistant", "Red, green"),
+        # A new assistant message after the user's: nothing to echo.
+        (MESSAGES, {}, "assistant", ""),
+        # No generation prompt: the reply continues the last message, in its role (vLLM's rule).
+        (MESSAGES, {"add_generation_prompt": False}, "user", MESSAGES[-1]["content"]),
+    ],
+)
+def test_chat_echo(client, messages, template_args, role, echoed):
+    """echo: the reply's content is the echoed message followed by exactly what the same request
+    without echo generates, streamed (echo in a chunk of its own, after the role) or not."""
+    def chat(**kwargs):
+        return greedy_chat(client, messages=messages, max_tokens=6,
+                           extra_body={"ignore_eos": True, **template_args, **kwargs.pop("extra", {})}, **kwargs)
+
+    plain = chat().choices[0].message
+    echo = chat(extra={"echo": True}).choices[0].message
+    assert (plain.role, echo.role) == (role, role)
+    assert echo.content == echoed + plain.content
+    chunks = list(chat(extra={"echo": True}, stream=True))
+    assert chunks[0].choices[0].delta.role == role
+    if echoed:
+        assert chunks[1].choices[0].delta.content == echoed
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed + plain.content
 
 
 def test_chat_logprobs(client):

@@ -1,0 +1,37 @@
+"""A model's path and HF config, as EngineArgs resolves them into a ModelConfig.
+
+A GGUF model's config is read from its metadata without torch or transformers' config classes
+(gguf_utils.py); an HF directory's through transformers' AutoConfig.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from minivllm.transformers_utils.gguf_utils import default_model_path, load_gguf_config
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The local path of `model` (the default model when None), or a ValueError saying why not."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"Model path {model!r} does not exist. minivllm loads local models only: give an HF "
+            "model directory (config.json + *.safetensors + tokenizer files) or a .gguf file."
+        )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"Model directory {model!r} has no config.json.")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ValueError(f"Model file {model!r} is not a .gguf file.")
+    return path
+
+
+def get_config(model_path: str) -> Any:
+    if model_path.endswith(".gguf"):
+        return load_gguf_config(model_path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)

@@ -83,6 +83,23 @@ class EngineArgs:
     distributed_executor_backend: str = "uni"
     """How the workers run: uni (in the engine process; the only one for now), mp, ray."""
 
+    def __post_init__(self) -> None:
+        """Check every setting that needs no model (a ValueError), so that a bad one is refused
+        before any engine process starts; create_engine_config checks those that need the
+        model's config (its architecture, its context length)."""
+        resolve_model_path(self.model)
+        if self.tokenizer:
+            resolve_model_path(self.tokenizer)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        self._create_cache_config()
+        self._create_parallel_config()
+
+    def is_gguf(self) -> bool:
+        return resolve_model_path(self.model).endswith(".gguf")
+
     def create_engine_config(self) -> VllmConfig:
         model_path = resolve_model_path(self.model)
         tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
@@ -101,18 +118,6 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             gguf_int4_decode=self.gguf_int4_decode,
         )
-        space = self.cpu_kvcache_space_gib
-        if space is None:
-            space = envs.cpu_kvcache_space_gib()
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            cpu_kvcache_space_gib=space,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-        )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens
@@ -124,16 +129,33 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        parallel_config = ParallelConfig(
+        return VllmConfig(
+            model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),
+            self._create_parallel_config(),
+        )
+
+    def _create_cache_config(self) -> CacheConfig:
+        space = self.cpu_kvcache_space_gib
+        if space is None:
+            space = envs.cpu_kvcache_space_gib()
+        return CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            cpu_kvcache_space_gib=space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+        )
+
+    def _create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
         )
-        return VllmConfig(model_config, cache_config, scheduler_config, DeviceConfig(device), parallel_config)
 
     def _resolve_dtype(self, hf_config: Any, model_path: str, device: str) -> str:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"Unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
         dtype = self.dtype
         if dtype == "auto":
             if model_path.endswith(".gguf"):
@@ -158,8 +180,6 @@ class EngineArgs:
             derived = window
         if self.max_model_len is None:
             return int(derived)
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.max_model_len > derived:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is larger than the model's maximum context "

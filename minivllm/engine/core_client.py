@@ -146,7 +146,13 @@ def _stop_process(process: subprocess.Popen[bytes]) -> None:
 class MPClient:
     """Starts the engine (process or thread), binds the sockets, waits for the handshake."""
 
-    def __init__(self, vllm_config: VllmConfig, asyncio_mode: bool, use_thread: bool = False) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        asyncio_mode: bool,
+        use_thread: bool = False,
+        process: subprocess.Popen[bytes] | None = None,
+    ) -> None:
         self.resources = _EngineResources()
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.encoder = MsgpackEncoder()
@@ -162,7 +168,7 @@ class MPClient:
         self.input_socket.bind(self.input_address)
         self.output_socket.bind(self.output_address)
         res.send_shutdown = self._make_shutdown_sender()
-        res.engine = self._start_engine(vllm_config, use_thread)
+        res.engine = self._start_engine(vllm_config, use_thread, process)
         self._asyncio_mode = asyncio_mode
         self.vllm_config = vllm_config
 
@@ -182,13 +188,16 @@ class MPClient:
     def engine_dead(self) -> bool:
         return self.resources.engine_dead
 
-    def _start_engine(self, vllm_config: VllmConfig, use_thread: bool) -> subprocess.Popen[bytes] | threading.Thread:
+    def _start_engine(
+        self, vllm_config: VllmConfig, use_thread: bool, process: subprocess.Popen[bytes] | None
+    ) -> subprocess.Popen[bytes] | threading.Thread:
         if use_thread:
             args = (vllm_config, self.input_address, self.output_address, None)
             engine = threading.Thread(target=_engine_main, args=args, name="EngineCore", daemon=True)
             engine.start()
             return engine
-        process = start_engine_interpreter()
+        if process is None:
+            process = start_engine_interpreter()
         assert process.stdin is not None
         pickle.dump((self.input_address, self.output_address, os.getpid(), vllm_config), process.stdin)
         process.stdin.close()
@@ -248,8 +257,8 @@ class MPClient:
 
 
 class SyncMPClient(MPClient):
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        super().__init__(vllm_config, asyncio_mode=False)
+    def __init__(self, vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None) -> None:
+        super().__init__(vllm_config, asyncio_mode=False, process=process)
         self._pending: deque[EngineCoreOutputs] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -332,14 +341,26 @@ class AsyncMPClient(MPClient):
         self._utility_futures.clear()
 
 
-def start_engine_interpreter() -> subprocess.Popen[bytes]:
+def start_engine_interpreter(hf_config: bool = False) -> subprocess.Popen[bytes]:
     """A fresh interpreter for the engine core (spawn semantics: nothing of this process, its
     threads, sockets or CUDA state, is inherited; the package is found where this process found
-    it). It imports the model code, then reads its addresses and config from stdin."""
+    it). It imports the model code at once (and, with hf_config, transformers' config classes),
+    then waits on stdin for its addresses and config, so a caller may start it before the config
+    exists and overlap the two."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(minivllm.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", "minivllm.engine.launch"], stdin=subprocess.PIPE, env=env)
+    command = [sys.executable, "-m", "minivllm.engine.launch", *(["--hf-config"] if hf_config else [])]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+
+
+def discard_engine_interpreter(process: subprocess.Popen[bytes]) -> None:
+    """An interpreter started for a config that never came. It holds nothing yet (no sockets,
+    no model), so it is stopped at once instead of being left to finish its imports."""
+    assert process.stdin is not None
+    process.stdin.close()
+    process.terminate()
+    _stop_process(process)
 
 
 def _engine_main(*args: Any) -> None:
@@ -349,5 +370,8 @@ def _engine_main(*args: Any) -> None:
     run_engine_core(*args)
 
 
-def make_sync_client(vllm_config: VllmConfig) -> InprocClient | SyncMPClient:
-    return SyncMPClient(vllm_config) if envs.enable_multiprocessing() else InprocClient(vllm_config)
+def make_sync_client(
+    vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None
+) -> InprocClient | SyncMPClient:
+    """process: an interpreter from start_engine_interpreter, when multiprocessing is on."""
+    return SyncMPClient(vllm_config, process) if envs.enable_multiprocessing() else InprocClient(vllm_config)

@@ -8,15 +8,21 @@ the core what the front end finished (stop strings) before returning them.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
 import msgspec
 
+from minivllm import envs
 from minivllm.config import VllmConfig
 from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.core_client import make_sync_client
+from minivllm.engine.core_client import (
+    discard_engine_interpreter,
+    make_sync_client,
+    start_engine_interpreter,
+)
 from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.metrics.reader import Metric, get_metrics_snapshot
 from minivllm.metrics.stats import EngineStats
@@ -25,19 +31,31 @@ from minivllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_process: subprocess.Popen[bytes] | None = None) -> None:
         start = time.perf_counter()
         # The engine core in its own process (default) or in this one; a process loads the
         # model while this one loads the tokenizer.
-        self.engine_core = make_sync_client(vllm_config)
+        self.engine_core = make_sync_client(vllm_config, engine_process)
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats(startup_seconds=time.perf_counter() - start)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        """Every setting is checked (a ValueError) before any engine process starts."""
-        return cls(engine_args.create_engine_config())
+        # The settings that need no model were checked when engine_args was made. The engine's
+        # interpreter starts now and imports the model code (~1.4 s) while this process reads
+        # the model's config (an HF directory's takes ~3 s: transformers' config classes import
+        # torch); should the config refuse a setting, that interpreter is stopped at once.
+        process = None
+        if envs.enable_multiprocessing():
+            process = start_engine_interpreter(hf_config=not engine_args.is_gguf())
+        try:
+            vllm_config = engine_args.create_engine_config()
+        except BaseException:
+            if process is not None:
+                discard_engine_interpreter(process)
+            raise
+        return cls(vllm_config, process)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -35,3 +35,17 @@ def get_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def import_config_classes() -> None:
+    """Import transformers' config classes for the supported architectures.
+
+    For a process about to unpickle an HF directory's config: the first config class costs ~2 s
+    to import (the rest of transformers it pulls in), the others almost nothing.
+    """
+    import transformers
+
+    from minivllm.model.registry import supported_architectures
+
+    for arch in supported_architectures():
+        getattr(transformers, arch.replace("ForCausalLM", "Config"))

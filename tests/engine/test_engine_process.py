@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from minivllm import (
     RequestOutputKind,
     SamplingParams,
 )
+from minivllm.engine import core_client, llm_engine
+from minivllm.engine.arg_utils import EngineArgs
 
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9] * 17, list(range(300, 400))]
 
@@ -263,6 +266,24 @@ def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, monkey
         LLM(str(bad), dtype="float32")
 
 
+def test_config_error_ends_the_prestarted_engine_interpreter(model, monkeypatch):
+    """The engine's interpreter starts before the model's config is read; a setting that config
+    refuses is the caller's ValueError, and that interpreter is stopped before the error is
+    raised (no orphan)."""
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
+    started = []
+
+    def start(**kwargs):
+        started.append(core_client.start_engine_interpreter(**kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(llm_engine, "start_engine_interpreter", start)
+    with pytest.raises(ValueError, match="larger than the model's maximum context length of 1024"):
+        LLM(model, dtype="float32", max_model_len=5000)
+    assert len(started) == 1
+    assert started[0].poll() is not None
+
+
 def test_in_thread_engine_for_debugging(model, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))
@@ -324,4 +345,23 @@ def test_front_end_builds_a_gguf_model_without_torch():
     """)
     done = subprocess.run([sys.executable, "-c", engine], input=done.stdout, capture_output=True, timeout=120)
     assert done.stdout.decode().split() == ["30", "False"], done.stderr.decode()
+
+
+def test_engine_interpreter_has_config_classes_before_the_config_comes(make_tiny_model):
+    """For an HF directory the engine's interpreter imports transformers' config classes while the
+    front end reads the config: unpickling a config of each supported architecture then imports
+    nothing more from transformers (the import that took ~2 s after the config arrived)."""
+    configs = [EngineArgs(model=str(make_tiny_model(arch)), dtype="float32").create_engine_config()
+               for arch in ("llama", "qwen2", "qwen3")]
+    script = textwrap.dedent("""
+        import pickle, sys
+        from minivllm.transformers_utils.config import import_config_classes
+        import_config_classes()
+        before = set(sys.modules)
+        configs = pickle.load(sys.stdin.buffer)
+        print(len(configs), sorted(m for m in set(sys.modules) - before if m.startswith("transformers")))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(configs),
+                          capture_output=True, timeout=120, check=True)
+    assert done.stdout.decode().split(maxsplit=1) == ["3", "[]\n"]
 

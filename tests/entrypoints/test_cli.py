@@ -7,7 +7,7 @@ import json
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import core_client
+from minivllm.engine import core_client, llm_engine
 from minivllm.entrypoints.cli import main
 
 
@@ -31,17 +31,25 @@ def test_generate_prints_greedy_text(make_tiny_model, capsys):
         (["--max-tokens", "0"], "max_tokens must be at least 1"),
         (["--block-size", "3"], "block_size must be a power of two"),
         (["--dtype", "int3"], "Unsupported dtype"),
-        (["--max-model-len", "99999"], "max_model_len=99999 is larger"),
+        (["--gpu-memory-utilization", "2"], r"gpu_memory_utilization must be in \(0, 1\]"),
+        (["--model", "/no/such/model"], "does not exist"),
     ],
 )
 def test_generate_refuses_bad_arguments_before_starting_an_engine(make_tiny_model, monkeypatch, args, message):
-    """Sampling and engine arguments are checked first: the error comes without an engine
-    process ever being started (before, a bad sampling argument waited for the model to load)."""
+    """Sampling arguments and the engine settings that need no model are checked first: the error
+    comes without an engine process ever being started (a bad sampling argument used to wait for
+    the model to load)."""
     started = []
-    monkeypatch.setattr(core_client, "start_engine_interpreter", lambda: started.append(args))
+    for module in (core_client, llm_engine):
+        monkeypatch.setattr(module, "start_engine_interpreter", lambda **kw: started.append(args))
     with pytest.raises(SystemExit, match=message):
         main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", *args])
     assert started == []
+
+
+def test_generate_reports_settings_the_model_refuses(make_tiny_model):
+    with pytest.raises(SystemExit, match="max_model_len=99999 is larger"):
+        main(["generate", "--model", str(make_tiny_model("llama")), "--prompt", "x", "--max-model-len", "99999"])
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -31,7 +31,9 @@ class ModelConfig:
     max_model_len: int
     """Maximum number of tokens (prompt + output) of one request."""
     hf_config: Any
-    """The transformers PretrainedConfig the model is built from."""
+    """The model's HF config, as attributes: a transformers PretrainedConfig for an HF directory,
+    a GGUFConfig (transformers_utils/gguf_utils.py, the same attributes without transformers) for
+    a GGUF file."""
     seed: int = 0
     enforce_eager: bool = False
     max_logprobs: int = 20

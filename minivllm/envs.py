@@ -16,9 +16,11 @@ def enable_multiprocessing() -> bool:
     return _bool("MINIVLLM_ENABLE_MULTIPROCESSING", True)
 
 
-def cpu_kvcache_space_gib() -> float:
-    """MINIVLLM_CPU_KVCACHE_SPACE (default 4): KV cache size in GiB on CPU."""
-    return float(os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE", "4"))
+def cpu_kvcache_space_gib() -> float | None:
+    """MINIVLLM_CPU_KVCACHE_SPACE: KV cache size in GiB on CPU; None when unset (CacheConfig's
+    default then applies)."""
+    value = os.environ.get("MINIVLLM_CPU_KVCACHE_SPACE")
+    return None if value is None else float(value)
 
 
 def logging_level() -> str:

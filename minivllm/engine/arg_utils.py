@@ -138,6 +138,8 @@ class EngineArgs:
         space = self.cpu_kvcache_space_gib
         if space is None:
             space = envs.cpu_kvcache_space_gib()
+        if space is None:
+            space = CacheConfig.cpu_kvcache_space_gib
         return CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -18,8 +18,12 @@ all of them. Any other step runs eagerly. The step's inputs (token ids, position
 metadata's tensors) are the trace's arguments; weights and KV caches are constants of the
 trace, the same tensors, not copies.
 
-The trace is recorded at the first step it applies to (0.5-1 s, then ~0.5 s more over its first
-two replays while TorchScript optimizes the graph), so start-up does not pay for it.
+Recording costs ~1 s (0.6 s to trace, ~0.4 s more over the first two replays while TorchScript
+optimizes the graph) and each replayed step saves ~5 ms, so a trace only pays for itself after
+~200 steps: short generations (a CLI prompt, most chat turns) would lose. So, as a ski renter
+buys skis once the rent paid equals their price, the trace is recorded once TRACE_AFTER_STEPS
+steps it could have replayed have run eagerly; until then, and for an engine that never runs
+that many, nothing is recorded, and a long-running one pays at most twice the optimal cost.
 `enforce_eager` turns it off. torch.jit.trace is deprecated in favour of torch.compile and
 torch.export, which replay nothing without a compile step of minutes on a small CPU; should the
 trace fail, steps stay eager.
@@ -46,6 +50,8 @@ logger = init_logger(__name__)
 # Largest batch replayed from the trace: every size up to it takes the same path through the
 # model. (Past it the Python cost is a small part of the step: 64 requests, ~3 ms of ~110.)
 MAX_TRACED_ROWS = INT4_MAX_ROWS
+# Eager steps before the trace is recorded: its cost (~1 s) over what one replay saves (~5 ms).
+TRACE_AFTER_STEPS = 200
 
 
 class DecodeGraph:
@@ -54,12 +60,17 @@ class DecodeGraph:
     def __init__(self, model: nn.Module, graph_support: GraphSupport) -> None:
         self.model = model
         self.enabled = graph_support >= GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        self.num_eager_steps = 0  # steps it could have replayed, run eagerly before recording
         self.traced = False  # whether tracing was tried
         self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
 
     def can_replay(self, batch: BatchDescriptor) -> bool:
-        return (self.enabled and batch.uniform_decode and batch.num_tokens <= MAX_TRACED_ROWS
-                and (self.graph is not None or not self.traced))
+        if not (self.enabled and batch.uniform_decode and batch.num_tokens <= MAX_TRACED_ROWS):
+            return False
+        if self.traced:
+            return self.graph is not None
+        self.num_eager_steps += 1
+        return self.num_eager_steps > TRACE_AFTER_STEPS
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         if not self.traced:

@@ -1,9 +1,8 @@
 """Decode steps replayed from a trace (worker/decode_graph.py): the same tokens and logprobs as the
 eager forward, bit for bit, for every batch size the one trace serves, with prefills, chunked
 prompts and larger batches still eager around it; a failed trace leaves decoding eager;
-enforce_eager, other steps and backends whose metadata cannot be replayed never trace.
-(tests/engine/test_greedy_vs_hf.py's head_dim-64 llama checks the traced path against
-transformers too.)"""
+enforce_eager, other steps and backends whose metadata cannot be replayed never trace; the trace
+is recorded only after TRACE_AFTER_STEPS steps it could replay (0 here unless the test says)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from minivllm.worker.graph_runner import BatchDescriptor
 @pytest.fixture(autouse=True)
 def in_process(monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model runner
+    monkeypatch.setattr(decode_graph, "TRACE_AFTER_STEPS", 0)  # record at the first step it applies to
 
 
 class _Counting:
@@ -102,6 +102,19 @@ def test_failed_trace_leaves_the_size_eager(make_tiny_model, monkeypatch):
     llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=96)
     assert _generate(llm) == eager
     assert model_runner(llm).graph_runner.graph is None and calls == [1]  # tried once, then eager
+
+
+def test_recorded_after_the_steps_it_would_have_saved(monkeypatch):
+    """Steps that could replay run eagerly TRACE_AFTER_STEPS times; the next one records (the
+    ski-rental rule); steps that could never replay do not count."""
+    monkeypatch.setattr(decode_graph, "TRACE_AFTER_STEPS", 3)
+    graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    decode, mixed = BatchDescriptor(num_tokens=2, uniform_decode=True), BatchDescriptor(num_tokens=9, uniform_decode=False)
+    assert [graph.can_replay(decode) for _ in range(3)] == [False] * 3
+    assert not graph.can_replay(mixed) and graph.num_eager_steps == 3
+    assert graph.can_replay(decode)
+    graph.traced, graph.graph = True, None  # a failed recording: eager from then on
+    assert not graph.can_replay(decode)
 
 
 def test_only_small_uniform_decode_steps_replay():

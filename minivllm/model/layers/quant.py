@@ -11,7 +11,7 @@ exactly onto the kernel's groups of 32 (w = (q - 8) * scale + zero, so zero = mi
 scale and zero are rounded to bfloat16, which the kernel requires: the weights it sees differ
 from the bfloat16-rounded dequantized ones by at most a bfloat16 rounding step. minivllm's kernel
 uses the file's scales and mins as they are, and reads the 30 layers of SmolLM2 1.5x faster at one
-row, 1.7x at 4-8 (docs/PERFORMANCE.md, round 5).
+row, 1.7x at 4-8 (docs/perf-log.md, round 5).
 Like vLLM's GGUF layers (a GEMV kernel for few rows, dequantize-and-matmul for many), larger
 batches keep using the dequantized bfloat16 matrix, where the int4 kernel is slower.
 """

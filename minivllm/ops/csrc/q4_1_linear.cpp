@@ -9,7 +9,7 @@
 // x . (128 + q) - 128 sum(x) = x . q. Every product is exact (x is bfloat16), scale and min are
 // the file's, so the result is the exact product up to float32 sums and the final rounding to
 // bfloat16. (Converting the codes to float32 for FMAs was compute-bound: round 4 of
-// docs/PERFORMANCE.md.)
+// docs/perf-log.md.)
 //
 // Layout (model/layers/quant.py packs it): rows in tiles of 16; per tile and block of 32 columns,
 // 4 units of 64 bytes, then the 16 scales and the 16 mins (float16). In unit u, the 16-bit word

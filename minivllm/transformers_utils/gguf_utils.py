@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from minivllm.utils import cdiv
+
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # general.architecture -> the HF architecture name its models are built as.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -60,7 +62,7 @@ class GGUFFile:
             self.metadata[key] = self._read_value(self._unpack("<I"))
         infos = [self._read_tensor_info() for _ in range(num_tensors)]
         alignment = self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        data_start = -(-self._offset // alignment) * alignment
+        data_start = cdiv(self._offset, alignment) * alignment
         self.tensors = [info._replace(offset=data_start + info.offset) for info in infos]
 
     def get(self, key: str, default: Any = None) -> Any:

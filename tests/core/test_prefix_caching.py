@@ -15,6 +15,7 @@ import pytest
 from core_utils import (
     FIRST_SAMPLED_TOKEN_ID,
     FakeWorker,
+    cached_requests,
     check_invariants,
     create_kv_cache_manager,
     create_requests,
@@ -576,20 +577,6 @@ def _add(scheduler: Scheduler, requests) -> None:
         scheduler.add_request(request)
 
 
-def _cached(so) -> dict[str, tuple[bool, tuple[list[int], ...], int]]:
-    c = so.scheduled_cached_reqs
-    return {
-        r: (res, ids, n)
-        for r, res, ids, n in zip(
-            c.req_ids,
-            c.resumed_from_preemption,
-            c.new_block_ids,
-            c.num_computed_tokens,
-            strict=True,
-        )
-    }
-
-
 def test_prefix_caching_is_on_by_default_in_cache_config():
     assert CacheConfig().enable_prefix_caching is True
     assert create_scheduler().kv_cache_manager.enable_caching is False  # the tests' default
@@ -679,7 +666,7 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     assert pool.free_block_queue.block_ids() == [5, 4, 3, 2, 1]  # a's last block is partial
 
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"1": (True, ([3, 4, 5],), 8)}  # resumed at its cache hit
+    assert cached_requests(so) == {"1": (True, ([3, 4, 5],), 8)}  # resumed at its cache hit
     assert so.num_scheduled_tokens == {"1": 1}  # only its first output token is recomputed
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     assert b.num_cached_tokens == 0  # counted at first admission only
@@ -716,7 +703,7 @@ def test_two_groups_preempt_resume_at_the_cache_hit_and_free_everything():
     ]
     assert len(pool.cached_block_hash_to_block) == 8  # 2 full blocks x 2 requests x 2 groups
     so, _ = step(scheduler, worker)  # a takes blocks 9 and 10; b needs 2 too: b preempts itself
-    assert so.preempted_req_ids == {"1"} and _cached(so) == {"0": (False, ([9], [10]), 8)}
+    assert so.preempted_req_ids == {"1"} and cached_requests(so) == {"0": (False, ([9], [10]), 8)}
     assert pool.free_block_queue.block_ids() == [6, 5, 8, 7]  # cached: to the tail, in order
     assert kv.get_block_ids("1") == ([], [])
 
@@ -728,7 +715,7 @@ def test_two_groups_preempt_resume_at_the_cache_hit_and_free_everything():
     assert pool.free_block_queue.block_ids() == [10, 9, 6, 5, 8, 7, 2, 1, 4, 3]
 
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"1": (True, ([5, 6, 10], [7, 8, 9]), 8)}  # resumed at its hit
+    assert cached_requests(so) == {"1": (True, ([5, 6, 10], [7, 8, 9]), 8)}  # resumed at its hit
     assert so.num_scheduled_tokens == {"1": 1}
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     stats = scheduler.make_stats()

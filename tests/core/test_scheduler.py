@@ -17,6 +17,7 @@ from core_utils import (
     EOS_TOKEN_ID,
     FIRST_SAMPLED_TOKEN_ID,
     FakeWorker,
+    cached_requests,
     check_invariants,
     create_requests,
     create_scheduler,
@@ -38,20 +39,6 @@ def _add(scheduler: Scheduler, requests) -> None:
 
 def _free_ids(scheduler: Scheduler) -> list[int]:
     return scheduler.kv_cache_manager.block_pool.free_block_queue.block_ids()
-
-
-def _cached(so) -> dict[str, tuple[bool, tuple[list[int], ...], int]]:
-    c = so.scheduled_cached_reqs
-    return {
-        r: (res, ids, n)
-        for r, res, ids, n in zip(
-            c.req_ids,
-            c.resumed_from_preemption,
-            c.new_block_ids,
-            c.num_computed_tokens,
-            strict=True,
-        )
-    }
 
 
 # ---- basics -----------------------------------------------------------------------------------
@@ -76,7 +63,7 @@ def test_single_request_lifecycle():
 
     so, outs = step(scheduler, worker)
     assert so.scheduled_new_reqs == []
-    assert _cached(so) == {"0": (False, ([],), 20)}
+    assert cached_requests(so) == {"0": (False, ([],), 20)}
     assert so.num_scheduled_tokens == {"0": 1}
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
 
@@ -181,7 +168,7 @@ def test_chunked_prefill_exact_chunks_and_blocks():
         if so.scheduled_new_reqs:
             new_blocks.append(so.scheduled_new_reqs[0].block_ids)
         else:
-            new_blocks.append(_cached(so)["0"][1])
+            new_blocks.append(cached_requests(so)["0"][1])
         outputs.append([t for o in outs for t in o.new_token_ids])
     assert chunks == [32, 32, 32, 4]
     assert new_blocks == [([1, 2],), ([3, 4],), ([5, 6],), ([7],)]
@@ -192,7 +179,7 @@ def test_chunked_prefill_exact_chunks_and_blocks():
     for _ in range(14):
         so, _ = step(scheduler, worker)
         assert so.num_scheduled_tokens == {"0": 1}
-        decode_new_blocks.append(_cached(so)["0"][1])
+        decode_new_blocks.append(cached_requests(so)["0"][1])
     assert decode_new_blocks == [([],)] * 12 + [([8],), ([],)]
     assert req.is_finished() and req.num_output_tokens == 15
 
@@ -286,7 +273,7 @@ def test_preemption_victim_is_the_most_recently_admitted():
     so, _ = step(scheduler, worker)
     assert so.preempted_req_ids == {"2"}
     assert so.num_scheduled_tokens == {"0": 1, "1": 1}
-    assert _cached(so) == {"0": (False, ([5],), 8), "1": (False, ([],), 6)}
+    assert cached_requests(so) == {"0": (False, ([5],), 8), "1": (False, ([],), 6)}
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert c.output_token_ids == [T0]  # its sampled token is kept, only the KV is dropped
@@ -305,7 +292,7 @@ def test_preemption_victim_is_the_most_recently_admitted():
     # then d is admitted.
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (False, ([1],), 8), "2": (True, ([2, 5, 6],), 0)}
+    assert cached_requests(so) == {"1": (False, ([1],), 8), "2": (True, ([2, 5, 6],), 0)}
     assert [(r.req_id, r.block_ids) for r in so.scheduled_new_reqs] == [("3", ([7],))]
     assert list(so.num_scheduled_tokens.items()) == [("1", 1), ("2", 12), ("3", 4)]
     assert {o.request_id: o.new_token_ids for o in outs} == {
@@ -319,7 +306,7 @@ def test_preemption_victim_is_the_most_recently_admitted():
 
     # Step 5: both decode (and grow by a block), and finish.
     so, outs = step(scheduler, worker)
-    assert _cached(so) == {"2": (False, ([3],), 12), "3": (False, ([4],), 4)}
+    assert cached_requests(so) == {"2": (False, ([3],), 12), "3": (False, ([4],), 4)}
     assert {o.request_id: o.finish_reason for o in outs} == {
         "2": FinishReason.LENGTH,
         "3": FinishReason.LENGTH,
@@ -358,7 +345,7 @@ def test_request_preempts_itself_when_it_is_the_last_one():
     so, _ = step(scheduler, worker)  # a takes block 5; b needs one too: b is the victim
     assert so.num_scheduled_tokens == {"0": 1}
     assert so.preempted_req_ids == {"1"}
-    assert _cached(so) == {"0": (False, ([5],), 8)}
+    assert cached_requests(so) == {"0": (False, ([5],), 8)}
     assert b.status == RequestStatus.PREEMPTED and list(scheduler.waiting) == [b]
     assert _free_ids(scheduler) == [3, 4]
 
@@ -370,7 +357,7 @@ def test_request_preempts_itself_when_it_is_the_last_one():
 
     so, outs = step(scheduler, worker)
     assert so.finished_req_ids == {"0"}
-    assert _cached(so) == {"1": (True, ([1, 2, 5],), 0)}
+    assert cached_requests(so) == {"1": (True, ([1, 2, 5],), 0)}
     assert so.num_scheduled_tokens == {"1": 9}  # the prompt plus its first output token
     assert [o.new_token_ids for o in outs] == [[T0 + 1]]
     result = run_to_completion(scheduler, worker=worker)

@@ -438,6 +438,18 @@ class FakeWorker:
         return tokens
 
 
+def cached_requests(so: SchedulerOutput) -> dict[str, tuple[bool, tuple[list[int], ...], int]]:
+    """The step's cached requests: id -> (resumed from preemption, new block ids per group,
+    num_computed_tokens)."""
+    c = so.scheduled_cached_reqs
+    return {
+        req_id: (resumed, block_ids, num_computed)
+        for req_id, resumed, block_ids, num_computed in zip(
+            c.req_ids, c.resumed_from_preemption, c.new_block_ids, c.num_computed_tokens, strict=True
+        )
+    }
+
+
 def held_blocks(kv: KVCacheManager, req_id: str) -> list[list[KVCacheBlock]]:
     """The request's blocks in each KV cache group."""
     return [m.req_to_blocks.get(req_id, []) for m in kv.coordinator.single_type_managers]

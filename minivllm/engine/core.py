@@ -172,12 +172,15 @@ class EngineCoreProc(EngineCore):
                 self.output_queue.put(self.step())
 
     def _process_input_queue(self, parent_pid: int | None) -> None:
-        """Block while idle (waking up to notice an orphaned process), then drain what came in."""
+        """Block while idle (waking up every second to notice an orphaned process or a dead
+        worker: check_health raises, and the busy loop reports the engine dead), then drain what
+        came in."""
         while not self.scheduler.has_unfinished_requests() and not self._shutdown_requested:
             try:
                 self._handle(*self.input_queue.get(timeout=1.0))
                 break
             except queue.Empty:
+                self.model_executor.check_health()
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("Front-end process %d is gone; shutting down the engine core.", parent_pid)
                     self._shutdown_requested = self.orphaned = True

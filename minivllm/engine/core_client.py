@@ -73,7 +73,7 @@ class InprocClient:
         return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 class _EngineResources:

@@ -10,16 +10,19 @@ import pytest
 from minivllm.config import ParallelConfig
 from minivllm.core.kv_cache_interface import FullAttentionSpec
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.core import EngineCore
+from minivllm.engine.core import EngineCore, EngineCoreProc
 from minivllm.executor.abstract import Executor
 from minivllm.executor.uniproc_executor import UniProcExecutor
 
 
+def _config(make_tiny_model):
+    return EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", kv_cache_memory_bytes=1 << 20,
+                      max_model_len=256).create_engine_config()
+
+
 @pytest.fixture(scope="module")
 def engine_core(make_tiny_model):
-    config = EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", kv_cache_memory_bytes=1 << 20,
-                        max_model_len=256).create_engine_config()
-    core = EngineCore(config)
+    core = EngineCore(_config(make_tiny_model))
     yield core
     core.shutdown()
 
@@ -50,3 +53,20 @@ def test_what_does_not_exist_is_refused_at_configuration(fields):
 def test_unknown_backend_refused():
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of uni, mp, ray, got 'gloo'"):
         ParallelConfig(distributed_executor_backend="gloo")
+
+
+def test_idle_engine_checks_its_workers(make_tiny_model, monkeypatch):
+    """An idle engine core wakes every second and asks the executor whether its workers live; a
+    dead one ends the busy loop with the error (the front end then gets EngineDeadError)."""
+    proc = EngineCoreProc(_config(make_tiny_model), "ipc://unused-input", "ipc://unused-output")
+
+    def dead() -> None:
+        raise RuntimeError("worker 0 died")
+
+    monkeypatch.setattr(proc.model_executor, "check_health", dead)
+    try:
+        with pytest.raises(RuntimeError, match="worker 0 died"):
+            proc._process_input_queue(parent_pid=None)
+    finally:
+        proc._ctx.term()  # its sockets were never opened
+        EngineCore.shutdown(proc)

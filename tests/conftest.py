@@ -1,9 +1,17 @@
-"""Shared fixtures: the SmolLM2 tokenizer / HF export and tiny random-weight checkpoints.
+"""Shared fixtures: the real SmolLM2 model, its tokenizer and HF export, tiny random-weight
+checkpoints, the C++ CPU kernels, and engines that are shut down when their test ends.
 
 Session fixtures (each built at most once per pytest session, only when requested):
 
+* ``cpu_kernels``          -- the C++ CPU kernels built and loaded (~30 s the first time on a
+                              machine, then a no-op). Requested by the kernel tests and by every
+                              model fixture, so each engine a test starts runs the path users get,
+                              while tests that start no engine (tests/core...) build nothing.
+* ``smollm2_gguf``         -- the real SmolLM2-135M-Instruct GGUF. A test that requests it, directly
+                              or through another fixture, is marked ``slow``: that is the whole rule,
+                              so ``-m "not slow"`` runs every test that does not load the real model.
 * ``tokenizer_dir``        -- SmolLM2 tokenizer files only (tokenizer.json, tokenizer_config.json,
-                              chat_template.jinja), read from the GGUF (~5 s).
+                              chat_template.jinja), read from the GGUF's metadata (~5 s).
 * ``smollm2_hf_dir``       -- plain HF export of SmolLM2-135M-Instruct (fp32 safetensors, tied
                               embeddings, tokenizer copied from ``tokenizer_dir``) (~25 s).
 * ``smollm2_gguf_logits``  -- ``(prompt_ids, logits[1, L, V])`` of the GGUF-loaded transformers
@@ -13,6 +21,10 @@ Session fixtures (each built at most once per pytest session, only when requeste
 ``tiny_model_dir`` is function-scoped and parametrizable with ``indirect=True``: the param is an
 arch name (``"qwen3"``) or a dict of :func:`reference.build_tiny_model` kwargs
 (``{"arch": "llama", "tie_word_embeddings": True}``); default ``"llama"``.
+
+``make_llm`` (per test) and ``make_module_llm`` (an engine shared by a module's tests) build
+``LLM(model, **kwargs)`` and shut each engine down when their scope ends, instead of leaving
+engine-core processes and KV caches to the garbage collector.
 
 Tests marked ``gpu`` are skipped when CUDA is unavailable.
 """
@@ -31,27 +43,36 @@ import pytest  # noqa: E402
 import reference  # noqa: E402  (tests/support, on pytest's pythonpath)
 import torch  # noqa: E402
 
+from minivllm import LLM  # noqa: E402
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: loads the real SmolLM2-135M model")
-
-
-def pytest_sessionstart(session):
-    # The engine takes the C++ CPU kernels when they are built (scripts/setup.sh builds them);
-    # building them here too (a no-op once built) makes every engine test run the path users get.
-    from minivllm.ops import cpu_kernels
-
-    cpu_kernels.build()
+REAL_MODEL_FIXTURE = "smollm2_gguf"
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        loads_real_model = REAL_MODEL_FIXTURE in getattr(item, "fixturenames", ())
+        if item.get_closest_marker("slow") and not loads_real_model:
+            raise pytest.UsageError(f"{item.nodeid} is marked slow but does not request "
+                                    f"{REAL_MODEL_FIXTURE}: the fixture gives the mark")
+        if loads_real_model:
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels() -> Path:
+    from minivllm.ops import cpu_kernels
+
+    path = cpu_kernels.build()
+    assert cpu_kernels.load()
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(cpu_kernels) -> Path:
+    return reference.smollm2_gguf_path()
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +88,7 @@ class _SmolLM2Export:
 
 
 @pytest.fixture(scope="session")
-def _smollm2_export(tmp_path_factory, tokenizer_dir) -> _SmolLM2Export:
+def _smollm2_export(tmp_path_factory, tokenizer_dir, smollm2_gguf) -> _SmolLM2Export:
     from transformers import AutoTokenizer
 
     gguf_model = reference.load_smollm2_gguf_model()
@@ -97,7 +118,7 @@ def smollm2_gguf_logits(_smollm2_export) -> tuple[list[int], torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
-def make_tiny_model(tmp_path_factory, tokenizer_dir):
+def make_tiny_model(tmp_path_factory, tokenizer_dir, cpu_kernels):
     cache: dict[str, Path] = {}
 
     def make(arch: str, **kw) -> Path:
@@ -119,3 +140,33 @@ def tiny_model_dir(request, make_tiny_model) -> Path:
         kw = dict(param)
         return make_tiny_model(kw.pop("arch"), **kw)
     raise TypeError(f"tiny_model_dir param must be an arch name or a dict, got {param!r}")
+
+
+class LLMFactory:
+    """Builds ``LLM(model, **kwargs)`` and, at close, shuts down every engine it built."""
+
+    def __init__(self) -> None:
+        self._built: list[LLM] = []
+
+    def __call__(self, model: str | Path, **kwargs) -> LLM:
+        llm = LLM(str(model), **kwargs)
+        self._built.append(llm)
+        return llm
+
+    def close(self) -> None:
+        while self._built:
+            self._built.pop().llm_engine.shutdown()
+
+
+@pytest.fixture
+def make_llm():
+    factory = LLMFactory()
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def make_module_llm():
+    factory = LLMFactory()
+    yield factory
+    factory.close()

@@ -23,10 +23,13 @@ def _generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, seed=args.sampling_seed,
     )
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
     for prompt, output in zip(args.prompt, outputs, strict=True):
         print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
 

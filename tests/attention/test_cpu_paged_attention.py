@@ -12,13 +12,8 @@ from attention_utils import run_step
 from minivllm.attention.backend import CommonAttentionMetadata
 from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
 from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache
-from minivllm.ops import cpu_kernels
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 SHAPES = [  # (heads, kv_heads, head_dim)

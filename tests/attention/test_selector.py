@@ -17,19 +17,13 @@ from minivllm.platforms.cuda import CudaPlatform
 CPU, CUDA = CpuPlatform(), CudaPlatform()
 
 
-@pytest.fixture
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
-
-
 @pytest.mark.parametrize(("dtype", "head_size"), [(torch.bfloat16, 64), (torch.float32, 128)])
-def test_cpu_takes_the_kernels_where_they_run(kernels, dtype, head_size):
+def test_cpu_takes_the_kernels_where_they_run(cpu_kernels, dtype, head_size):
     assert type(get_attn_backend(CPU, dtype, head_size)) is CpuPagedAttentionBackend
 
 
 @pytest.mark.parametrize(("dtype", "head_size"), [(torch.float32, 16), (torch.float16, 64), (torch.bfloat16, 96)])
-def test_cpu_falls_back_to_the_reference_for_other_shapes(kernels, dtype, head_size):
+def test_cpu_falls_back_to_the_reference_for_other_shapes(cpu_kernels, dtype, head_size):
     assert type(get_attn_backend(CPU, dtype, head_size)) is TorchRefAttentionBackend
 
 
@@ -40,7 +34,7 @@ def test_cuda_takes_the_reference(dtype):
     assert CpuPagedAttentionBackend.unsupported_reason("cuda", dtype, 128) == "runs on CPU only, not cuda"
 
 
-def test_environment_forces_a_backend(kernels, monkeypatch):
+def test_environment_forces_a_backend(cpu_kernels, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "TORCH_REF")
     assert type(get_attn_backend(CPU, torch.bfloat16, 64)) is TorchRefAttentionBackend
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "CPU_PAGED")
@@ -53,12 +47,12 @@ def test_environment_forces_a_backend(kernels, monkeypatch):
         get_attn_backend(CPU, torch.float32, 64)
 
 
-def test_kernels_switched_off(kernels, monkeypatch):
+def test_kernels_switched_off(cpu_kernels, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
     assert type(get_attn_backend(CPU, torch.bfloat16, 64)) is TorchRefAttentionBackend
 
 
-def test_sliding_window_skips_backends_without_it(kernels):
+def test_sliding_window_skips_backends_without_it(cpu_kernels):
     """Neither backend has sliding-window attention yet: a model that needs it gets an error
     naming each backend and why, not full attention."""
     assert not TorchRefAttentionBackend.supports_sliding_window

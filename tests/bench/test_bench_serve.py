@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from server_utils import RemoteServer
 
 import minivllm.bench.serve as bench_serve
 from minivllm.entrypoints.cli import main
@@ -22,61 +20,7 @@ from minivllm.entrypoints.cli import main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METRICS = ("ttft", "tpot", "itl", "e2el")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except OSError:
-        return 0, ""
-
-
-class Server:
-    def __init__(self, model: str, log: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        with open(log, "wb") as f:
-            # Its own session, so that teardown can stop it and its engine-core child together.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
-                 "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512", *extra],
-                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True,
-            )
-        deadline = time.monotonic() + 120
-        while http_get(self.url + "/health")[0] != 200:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def metric(self, name: str) -> float:
-        """One sample of /metrics (summed over label sets)."""
-        _, text = http_get(self.url + "/metrics")
-        values = [float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith(name + "{") or line.startswith(name + " ")]
-        return sum(values)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever is left of the session it leads (its engine-core process)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "512"]
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +29,12 @@ def model(make_tiny_model) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    srv = Server(model, tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    srv.stop()
+def server(model):
+    with RemoteServer(model, SERVER_ARGS) as srv:
+        yield srv
 
 
-def bench(server: Server, out: Path, *flags: str) -> dict:
+def bench(server: RemoteServer, out: Path, *flags: str) -> dict:
     main(["bench", "serve", "--port", str(server.port), "--disable-tqdm", "--output-json", str(out), *flags])
     return json.loads(out.read_text())
 
@@ -197,7 +140,7 @@ def test_serve_max_concurrency(server, tmp_path, monkeypatch):
 
 def test_serve_counts_failures_when_server_dies(model, tmp_path):
     """Kill the server mid-run: the client finishes normally and counts what failed."""
-    srv = Server(model, tmp_path / "dying-server.log")
+    srv = RemoteServer(model, SERVER_ARGS)
     out = tmp_path / "dying.json"
     client_log = tmp_path / "client.log"
     try:
@@ -214,8 +157,7 @@ def test_serve_counts_failures_when_server_dies(model, tmp_path):
             assert client.poll() is None, client_log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the benchmark never got going"
             time.sleep(0.1)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(timeout=10)
+        srv.kill()
         try:
             rc = client.wait(timeout=60)
         except subprocess.TimeoutExpired:

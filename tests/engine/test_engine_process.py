@@ -34,6 +34,15 @@ def model(make_tiny_model) -> str:
     return str(make_tiny_model("llama"))
 
 
+@pytest.fixture(scope="module")
+def inproc_llm(model, make_module_llm) -> LLM:
+    """The reference: the same engine with its core in this process. Greedy or seeded requests
+    only, so what earlier tests ran through it changes nothing."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+        return make_module_llm(model, dtype="float32")
+
+
 def greedy(n: int = 12, **kw) -> SamplingParams:
     """Greedy, streaming deltas (what `collect` concatenates)."""
     return SamplingParams(**{"temperature": 0.0, "max_tokens": n, "ignore_eos": True,
@@ -50,22 +59,19 @@ def pid_exists(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_multiprocess_outputs_equal_inprocess(model, monkeypatch):
+def test_multiprocess_outputs_equal_inprocess(model, inproc_llm, make_llm, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
-    mp = LLM(model, dtype="float32")
+    mp = make_llm(model, dtype="float32")
     assert mp.llm_engine.engine_core.resources.engine.poll() is None  # a real child process
-    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
-    inproc = LLM(model, dtype="float32")
     params = greedy(16, logprobs=2)
     a = mp.generate(PROMPTS, params, use_tqdm=False)
-    b = inproc.generate(PROMPTS, params, use_tqdm=False)
+    b = inproc_llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.outputs[0].text for o in a] == [o.outputs[0].text for o in b]
     for x, y in zip(a, b, strict=True):
         for px, py in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             assert px.keys() == py.keys()
     assert mp.llm_engine.get_scheduler_stats().num_running_reqs == 0
-    mp.llm_engine.shutdown()
 
 
 @pytest.fixture
@@ -86,12 +92,10 @@ async def collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[st
     return text, ids, final
 
 
-def test_many_concurrent_streams(model, async_llm, monkeypatch):
-    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
-    reference = LLM(model, dtype="float32")
+def test_many_concurrent_streams(inproc_llm, async_llm):
     prompts = [[7 + i, 8, 9 + i % 5] + list(range(i * 3)) for i in range(64)]
     lengths = [3 + (i * 7) % 40 for i in range(64)]
-    expected = reference.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    expected = inproc_llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
 
     async def main():
         return await asyncio.gather(*(
@@ -145,16 +149,14 @@ def sampled(n: int, seed: int, **kw) -> SamplingParams:
     return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True, **kw)
 
 
-def test_fan_out_and_duplicate_ids_in_both_engines(model, monkeypatch):
+def test_fan_out_and_duplicate_ids_in_both_engines(model, inproc_llm, make_llm, monkeypatch):
     """n = 3 with seed s gives the samples of three n = 1 requests seeded s, s+1, s+2, through
     LLMEngine and AsyncLLM alike; the id of a request in flight is refused and changes nothing."""
-    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
-    reference = LLM(model, dtype="float32")
     expected = [o.outputs[0].token_ids
-                for o in reference.generate([PROMPTS[1]] * 3, [sampled(1, 7 + i) for i in range(3)], use_tqdm=False)]
+                for o in inproc_llm.generate([PROMPTS[1]] * 3, [sampled(1, 7 + i) for i in range(3)], use_tqdm=False)]
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
 
-    engine = LLM(model, dtype="float32").llm_engine
+    engine = make_llm(model, dtype="float32").llm_engine
     engine.add_request("a", PROMPTS[1], sampled(3, 7, output_kind=RequestOutputKind.FINAL_ONLY))
     with pytest.raises(ValueError, match="'a' is already in the engine"):
         engine.add_request("a", PROMPTS[0], sampled(1, 0))
@@ -182,18 +184,17 @@ def test_fan_out_and_duplicate_ids_in_both_engines(model, monkeypatch):
         llm.shutdown()
 
 
-def test_stop_string_abort_reaches_the_core_before_the_id_is_reused(model, monkeypatch):
+def test_stop_string_abort_reaches_the_core_before_the_id_is_reused(model, inproc_llm, make_llm, monkeypatch):
     """A request finished by a stop string is still running in the engine core, which must hear
     of its abort before anything its caller sends next: re-adding the same id at once (a second
     ADD before the ABORT would kill the engine core) runs again, to the same text."""
-    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
-    full = LLM(model, dtype="float32").generate(PROMPTS[1], greedy(40), use_tqdm=False)[0].outputs[0].text
+    full = inproc_llm.generate(PROMPTS[1], greedy(40), use_tqdm=False)[0].outputs[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     params = greedy(200, stop=[stop])
     expected = full[: full.index(stop)]
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
 
-    engine = LLM(model, dtype="float32").llm_engine
+    engine = make_llm(model, dtype="float32").llm_engine
     texts = []
     for _ in range(2):
         engine.add_request("s", PROMPTS[1], params)
@@ -246,9 +247,9 @@ def test_engine_death_fails_every_caller_fast(async_llm):
         async_llm.check_health()
 
 
-def test_close_leaves_no_process_or_socket(model, monkeypatch):
+def test_close_leaves_no_process_or_socket(model, make_llm, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
-    llm = LLM(model, dtype="float32")
+    llm = make_llm(model, dtype="float32")
     llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)
     resources = llm.llm_engine.engine_core.resources
     pid, tmpdir = resources.engine.pid, resources.tmpdir
@@ -257,16 +258,16 @@ def test_close_leaves_no_process_or_socket(model, monkeypatch):
     assert not pid_exists(pid) and not os.path.exists(tmpdir)
 
 
-def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, monkeypatch):
+def test_startup_error_in_the_engine_is_reported(tmp_path, tokenizer_dir, make_llm, monkeypatch):
     """The model fails to build inside the engine process: the caller gets its error, at once."""
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
     bad = build_tiny_model(tmp_path / "bad", "llama", tokenizer_dir,
                            rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512})
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        LLM(str(bad), dtype="float32")
+        make_llm(bad, dtype="float32")
 
 
-def test_config_error_ends_the_prestarted_engine_interpreter(model, monkeypatch):
+def test_config_error_ends_the_prestarted_engine_interpreter(model, make_llm, monkeypatch):
     """The engine's interpreter starts before the model's config is read; a setting that config
     refuses is the caller's ValueError, and that interpreter is stopped before the error is
     raised (no orphan)."""
@@ -279,7 +280,7 @@ def test_config_error_ends_the_prestarted_engine_interpreter(model, monkeypatch)
 
     monkeypatch.setattr(llm_engine, "start_engine_interpreter", start)
     with pytest.raises(ValueError, match="larger than the model's maximum context length of 1024"):
-        LLM(model, dtype="float32", max_model_len=5000)
+        make_llm(model, dtype="float32", max_model_len=5000)
     assert len(started) == 1
     assert started[0].poll() is not None
 

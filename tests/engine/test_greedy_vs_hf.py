@@ -11,7 +11,7 @@ import random
 
 import pytest
 from engine_utils import assert_engine_idle, num_preemptions
-from reference import check_logprobs_close, hf_greedy, smollm2_gguf_path
+from reference import check_logprobs_close, hf_greedy
 
 from minivllm import LLM, SamplingParams
 
@@ -69,9 +69,9 @@ def tiny_case(request, make_tiny_model):
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
-def test_tiny_models_match_hf(tiny_case, variant):
+def test_tiny_models_match_hf(tiny_case, make_llm, variant):
     model_dir, prompts, reference = tiny_case
-    llm = LLM(str(model_dir), dtype="float32", **ENGINE_VARIANTS[variant])
+    llm = make_llm(model_dir, dtype="float32", **ENGINE_VARIANTS[variant])
     outputs = generate_greedy(llm, prompts)
     check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1=f"minivllm[{variant}]")
     if variant == "preemption":
@@ -80,20 +80,19 @@ def test_tiny_models_match_hf(tiny_case, variant):
     assert_engine_idle(llm)
 
 
-def test_torch_path_matches_hf(tiny_case, monkeypatch):
+def test_torch_path_matches_hf(tiny_case, make_llm, monkeypatch):
     """With the C++ CPU kernels turned off, every layer and the attention take their torch
     path, which must match transformers just the same."""
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
     model_dir, prompts, reference = tiny_case
-    llm = LLM(str(model_dir), dtype="float32")
+    llm = make_llm(model_dir, dtype="float32")
     check_logprobs_close(outputs_0=reference, outputs_1=generate_greedy(llm, prompts), name_0="hf", name_1="minivllm[torch]")
 
 
-@pytest.mark.slow
-def test_smollm2_gguf_matches_hf(smollm2_hf_dir):
+def test_smollm2_gguf_matches_hf(smollm2_gguf, smollm2_hf_dir, make_llm):
     """The real SmolLM2-135M-Instruct, loaded by minivllm from the GGUF file, against
     transformers' own GGUF import of the same file."""
-    llm = LLM(str(smollm2_gguf_path()), dtype="float32", max_num_batched_tokens=256)
+    llm = make_llm(smollm2_gguf, dtype="float32", max_num_batched_tokens=256)
     prompts = make_prompts(llm.get_tokenizer(), 49152, seed=1)
     chat = llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False

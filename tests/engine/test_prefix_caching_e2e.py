@@ -7,7 +7,7 @@ import random
 
 import pytest
 from engine_utils import assert_engine_idle
-from reference import check_logprobs_close, smollm2_gguf_path
+from reference import check_logprobs_close
 
 from minivllm import LLM, SamplingParams
 from minivllm.transformers_utils.tokenizer import load_gguf_tokenizer
@@ -30,8 +30,8 @@ def common_blocks(a: list[int], b: list[int]) -> int:
     return min(n, len(b) - 1) // BLOCK
 
 
-def run(model: str, prompts, params, **kwargs):
-    llm = LLM(model, dtype="float32", **kwargs)
+def run(make_llm, model: str, prompts, params, **kwargs):
+    llm = make_llm(model, dtype="float32", **kwargs)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, outs
 
@@ -42,10 +42,10 @@ def shared_prefix_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [system + [rng.randrange(3, vocab) for _ in range(n)] for n in (7, 30, 1, 64, 16)]
 
 
-def check_same_outputs_and_hits(model: str, prompts: list[list[int]], exact: bool) -> None:
+def check_same_outputs_and_hits(make_llm, model: str, prompts: list[list[int]], exact: bool) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-    off, outs_off = run(model, prompts, params, enable_prefix_caching=False)
-    on, outs_on = run(model, prompts, params)
+    off, outs_off = run(make_llm, model, prompts, params, enable_prefix_caching=False)
+    on, outs_on = run(make_llm, model, prompts, params)
     results_off = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs_off]
     results_on = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs_on]
     if exact:
@@ -64,13 +64,12 @@ def check_same_outputs_and_hits(model: str, prompts: list[list[int]], exact: boo
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_shared_system_prompt_random_model(make_tiny_model, arch):
-    check_same_outputs_and_hits(str(make_tiny_model(arch)), shared_prefix_prompts(49152), exact=True)
+def test_shared_system_prompt_random_model(make_tiny_model, make_llm, arch):
+    check_same_outputs_and_hits(make_llm, str(make_tiny_model(arch)), shared_prefix_prompts(49152), exact=True)
 
 
-@pytest.mark.slow
-def test_shared_system_prompt_smollm2():
-    tok = load_gguf_tokenizer(str(smollm2_gguf_path()))
+def test_shared_system_prompt_smollm2(smollm2_gguf, make_llm):
+    tok = load_gguf_tokenizer(str(smollm2_gguf))
     system = " ".join(f"Rule {i}: answer politely and cite source number {i * 7}." for i in range(40))
     questions = ["What is the capital of France?", "Name a prime number.", "Say hi.", "Count to three."]
     prompts = [
@@ -79,15 +78,15 @@ def test_shared_system_prompt_smollm2():
         for q in questions
     ]
     assert min(common_blocks(prompts[0], p) for p in prompts[1:]) * BLOCK >= 500
-    check_same_outputs_and_hits(str(smollm2_gguf_path()), prompts, exact=True)
+    check_same_outputs_and_hits(make_llm, str(smollm2_gguf), prompts, exact=True)
 
 
-def test_second_call_reuses_first(make_tiny_model):
+def test_second_call_reuses_first(make_tiny_model, make_llm):
     """A prefix computed by an earlier generate call (its request long finished) is reused."""
     model = str(make_tiny_model("llama"))
     prompts = shared_prefix_prompts(49152, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm = LLM(model, dtype="float32")
+    llm = make_llm(model, dtype="float32")
     first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     again = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
@@ -97,8 +96,8 @@ def test_second_call_reuses_first(make_tiny_model):
     assert llm.generate([prompts[0]], params, use_tqdm=False)[0].num_cached_tokens == 0
 
 
-def test_cache_salt_separates_users(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama")), dtype="float32")
+def test_cache_salt_separates_users(make_tiny_model, make_llm):
+    llm = make_llm(make_tiny_model("llama"), dtype="float32")
     prompt = list(range(100, 200))
     params = SamplingParams(temperature=0.0, max_tokens=2)
     llm.generate([{"prompt_token_ids": prompt, "cache_salt": "alice"}], params, use_tqdm=False)
@@ -107,8 +106,8 @@ def test_cache_salt_separates_users(make_tiny_model):
     assert bob.num_cached_tokens == 0 and alice.num_cached_tokens == 96
 
 
-def test_n_children_share_the_prompt(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama")), dtype="float32")
+def test_n_children_share_the_prompt(make_tiny_model, make_llm):
+    llm = make_llm(make_tiny_model("llama"), dtype="float32")
     prompt = list(range(1000, 1000 + 90))
     out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=1), use_tqdm=False)[0]
     assert len(out.outputs) == 4
@@ -116,7 +115,7 @@ def test_n_children_share_the_prompt(make_tiny_model):
     assert metric(llm, "vllm:prefix_cache_hits") == 3 * 5 * BLOCK
 
 
-def test_eviction_under_pressure(make_tiny_model):
+def test_eviction_under_pressure(make_tiny_model, make_llm):
     """Many distinct prefixes through a small cache: old prefixes are evicted, outputs stay
     right, nothing leaks."""
     model = str(make_tiny_model("qwen2"))
@@ -125,8 +124,8 @@ def test_eviction_under_pressure(make_tiny_model):
     prompts = [p + [rng.randrange(3, 49152) for _ in range(9)] for p in prefixes for _ in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
     small = dict(num_gpu_blocks_override=24, max_model_len=256)
-    _, ref = run(model, prompts, params, enable_prefix_caching=False, **small)
-    llm = LLM(model, dtype="float32", **small)
+    _, ref = run(make_llm, model, prompts, params, enable_prefix_caching=False, **small)
+    llm = make_llm(model, dtype="float32", **small)
     outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     check_logprobs_close(
         outputs_0=[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in ref],
@@ -140,8 +139,8 @@ def test_eviction_under_pressure(make_tiny_model):
     assert_engine_idle(llm)
 
 
-def test_metrics_names(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama")), dtype="float32")
+def test_metrics_names(make_tiny_model, make_llm):
+    llm = make_llm(make_tiny_model("llama"), dtype="float32")
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     names = {m.name for m in llm.get_metrics()}
     assert {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_requests_running",

@@ -20,8 +20,8 @@ def model_dir(make_tiny_model):
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir) -> LLM:
-    return LLM(str(model_dir), dtype="float32", max_model_len=512)
+def llm(model_dir, make_module_llm) -> LLM:
+    return make_module_llm(model_dir, dtype="float32", max_model_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,10 @@ def test_logprobs_match_transformers(llm, hf):
         assert out.outputs[0].cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [None, 16])
-def test_prompt_logprobs_match_transformers(model_dir, hf, max_num_batched_tokens):
-    kwargs = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
-    llm = LLM(str(model_dir), dtype="float32", **kwargs)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_transformers(model_dir, llm, make_llm, hf, chunked):
+    if chunked:  # prompts prefilled 16 tokens a step
+        llm = make_llm(model_dir, dtype="float32", max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, greedy(max_tokens=2, prompt_logprobs=3), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         with torch.inference_mode():
@@ -98,13 +98,13 @@ def test_prompt_logprobs_match_transformers(model_dir, hf, max_num_batched_token
             assert set(ref_row.topk(3).indices.tolist()) <= set(position)
 
 
-def test_prompt_logprobs_survive_preemption(model_dir):
+def test_prompt_logprobs_survive_preemption(model_dir, llm, make_llm):
     """A preempted request recomputes its prompt but reports each prompt logprob once."""
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=17, max_model_len=256)
+    small = make_llm(model_dir, dtype="float32", num_gpu_blocks_override=17, max_model_len=256)
     prompts = [list(range(10, 10 + 120)), list(range(500, 500 + 120))]
-    outs = llm.generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
-    assert num_preemptions(llm) > 0
-    alone = LLM(str(model_dir), dtype="float32").generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
+    outs = small.generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
+    assert num_preemptions(small) > 0
+    alone = llm.generate(prompts, greedy(max_tokens=100, prompt_logprobs=1), use_tqdm=False)
     for a, b in zip(outs, alone, strict=True):
         assert len(a.prompt_logprobs) == 120
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):

@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 from minivllm.engine import core_client, llm_engine
 from minivllm.entrypoints.cli import main
 
 
-def test_generate_prints_greedy_text(make_tiny_model, capsys):
+def test_generate_prints_greedy_text(make_tiny_model, make_llm, capsys):
     model = str(make_tiny_model("qwen2"))
     main(["generate", "--model", model, "--dtype", "float32", "--prompt", "Hello", "--prompt", "Bye",
           "--max-tokens", "5"])
     printed = capsys.readouterr().out
-    expected = LLM(model, dtype="float32").generate(
+    expected = make_llm(model, dtype="float32").generate(
         ["Hello", "Bye"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
     )
     for out in expected:

@@ -11,8 +11,8 @@ from minivllm.engine.arg_utils import EngineArgs
 
 
 @pytest.fixture(scope="module")
-def llm(make_tiny_model) -> LLM:
-    return LLM(str(make_tiny_model("llama")), dtype="float32", max_model_len=256)
+def llm(make_tiny_model, make_module_llm) -> LLM:
+    return make_module_llm(make_tiny_model("llama"), dtype="float32", max_model_len=256)
 
 
 def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
@@ -193,30 +193,30 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_bad_engine_args(tmp_path, make_tiny_model):
+def test_bad_engine_args(tmp_path, make_tiny_model, make_llm):
     with pytest.raises(ValueError, match="does not exist"):
-        LLM(str(tmp_path / "nope"))
+        make_llm(tmp_path / "nope")
     unsupported = tmp_path / "gpt2"
     unsupported.mkdir()
     (unsupported / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="not supported. Supported architectures: LlamaForCausalLM"):
-        LLM(str(unsupported))
+        make_llm(unsupported)
     model = str(make_tiny_model("llama"))
     with pytest.raises(ValueError, match="larger than the model's maximum context length of 1024"):
         EngineArgs(model=model, max_model_len=5000).create_engine_config()
     with pytest.raises(ValueError, match="Unsupported dtype"):
         EngineArgs(model=model, dtype="int3").create_engine_config()
     with pytest.raises(ValueError, match="cannot hold one request"):
-        LLM(model, num_gpu_blocks_override=4, max_model_len=1024)
+        make_llm(model, num_gpu_blocks_override=4, max_model_len=1024)
 
 
-def test_bfloat16_runs_close_to_float32(make_tiny_model):
+def test_bfloat16_runs_close_to_float32(make_tiny_model, make_llm):
     """bf16 is a different rounding, not a different model: outputs agree up to near-ties."""
     model = str(make_tiny_model("qwen3"))
     prompts = [[5, 6, 7, 8, 9], list(range(40, 90))]
     params = greedy(max_tokens=8, logprobs=5)
-    fp32 = LLM(model, dtype="float32").generate(prompts, params, use_tqdm=False)
-    bf16 = LLM(model, dtype="bfloat16").generate(prompts, params, use_tqdm=False)
+    fp32 = make_llm(model, dtype="float32").generate(prompts, params, use_tqdm=False)
+    bf16 = make_llm(model, dtype="bfloat16").generate(prompts, params, use_tqdm=False)
     check_logprobs_close(
         outputs_0=[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in fp32],
         outputs_1=[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in bf16],

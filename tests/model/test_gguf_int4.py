@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_utils import model_runner
-from reference import check_logprobs_close, hf_greedy, smollm2_gguf_path
+from reference import check_logprobs_close, hf_greedy
 
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 from minivllm.model.gguf_loader import iterate_gguf_q4_1, iterate_gguf_weights
 from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight
 from minivllm.platforms import get_platform
@@ -22,8 +22,8 @@ NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_p
 
 
 @pytest.fixture(scope="module")
-def q4_1_and_dequantized():
-    path = str(smollm2_gguf_path())
+def q4_1_and_dequantized(smollm2_gguf):
+    path = str(smollm2_gguf)
     codes = {name: w for name, w in iterate_gguf_q4_1(path) if name in NAMES}
     dense = {name: w for name, w in iterate_gguf_weights(path) if name in NAMES}
     return codes, dense
@@ -41,7 +41,6 @@ def test_codes_rebuild_gguf_dequantization_exactly(q4_1_and_dequantized):
         assert torch.equal(rebuilt, dense[name]), name
 
 
-@pytest.mark.slow
 def test_q_and_k_rows_in_transformers_order(q4_1_and_dequantized, smollm2_hf_dir):
     """llama.cpp stores q/k rows interleaved for its rotary layout; the codes' rows come back in
     the order transformers' own GGUF import produces (its exported float32 weights)."""
@@ -82,12 +81,11 @@ def test_fused_shards_pack_like_the_whole(q4_1_and_dequantized):
     assert torch.equal(out[:, n_q:], Int4Weight.from_q4_1([codes[k_name]]).matmul(x))
 
 
-@pytest.mark.slow
-def test_smollm2_bf16_int4_decode_matches_hf(smollm2_hf_dir):
+def test_smollm2_bf16_int4_decode_matches_hf(smollm2_gguf, smollm2_hf_dir, make_llm):
     """Real prompts decoded one at a time (every decode step takes the int4 path) stay within
     the top-5 criterion of transformers' fp32 model, differ only at near-ties, and half or more
     agree token for token."""
-    llm = LLM(str(smollm2_gguf_path()), dtype="bfloat16", max_num_seqs=1)
+    llm = make_llm(smollm2_gguf, dtype="bfloat16", max_num_seqs=1)
     tokenizer = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
              "The three primary colors are", "In 1492, Columbus"]
@@ -118,11 +116,11 @@ def test_smollm2_bf16_int4_decode_matches_hf(smollm2_hf_dir):
 @pytest.mark.parametrize(("dtype", "enabled", "expected"), [
     ("bfloat16", True, True), ("bfloat16", False, False), ("float32", True, False),
 ])
-def test_int4_codes_kept_only_for_bfloat16_when_enabled(monkeypatch, dtype, enabled, expected):
+def test_int4_codes_kept_only_for_bfloat16_when_enabled(smollm2_gguf, make_llm, monkeypatch, dtype, enabled, expected):
     """Every Q4_1 projection holds int4 codes in bfloat16 (unless switched off); float32 keeps
     only the exact dequantized weights."""
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model object
-    llm = LLM(str(smollm2_gguf_path()), dtype=dtype, gguf_int4_decode=enabled, max_model_len=256)
+    llm = make_llm(smollm2_gguf, dtype=dtype, gguf_int4_decode=enabled, max_model_len=256)
     model = model_runner(llm).model
     projections = [p for layer in model.model.layers
                    for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,

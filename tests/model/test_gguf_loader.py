@@ -120,8 +120,8 @@ def test_chat_template_matches_transformers(tokenizer, ref_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def ref_model(smollm2_path):
-    path = Path(smollm2_path)
+def ref_model(smollm2_gguf):
+    path = smollm2_gguf
     # transformers rebuilds the same GGUF name map once per submodule (~6 s); memoizing that pure
     # function changes nothing but the time.
     with pytest.MonkeyPatch.context() as patch:

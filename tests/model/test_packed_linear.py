@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 from minivllm.attention.selector import get_attn_backend
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.model.layers.linear import Linear, QKVLinear, linear
@@ -85,7 +85,7 @@ def test_loader_keeps_plain_weights_for_float32_and_when_switched_off(make_tiny_
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_generation_identical_with_and_without_packing(make_tiny_model, monkeypatch, arch):
+def test_generation_identical_with_and_without_packing(make_tiny_model, make_llm, monkeypatch, arch):
     """Greedy tokens and logprobs of a batch with prompts of mixed lengths (prefill and decode
     steps of many row counts) are identical with packing on and off."""
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
@@ -97,8 +97,7 @@ def test_generation_identical_with_and_without_packing(make_tiny_model, monkeypa
     results = []
     for packed in ("1", "0"):
         monkeypatch.setenv("MINIVLLM_CPU_PACKED_LINEAR", packed)
-        llm = LLM(model=model_dir, dtype="bfloat16")
+        llm = make_llm(model_dir, dtype="bfloat16")
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
-        del llm
     assert results[0] == results[1]

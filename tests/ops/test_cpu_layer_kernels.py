@@ -10,15 +10,11 @@ import torch
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary import RotaryEmbedding
-from minivllm.ops import cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def build(layer_cls, dtype, *args):

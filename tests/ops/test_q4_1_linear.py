@@ -7,27 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import smollm2_gguf_path
 
 from minivllm.model.gguf_loader import iterate_gguf_q4_1
 from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Tiles, Q4_1Weight, pack_q4_1
-from minivllm.ops import cpu_kernels
 
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
          "model.layers.3.mlp.up_proj.weight", "model.layers.29.mlp.down_proj.weight")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
+def q4_1_kernel(cpu_kernels):
     if not hasattr(torch.ops.minivllm_cpu, "q4_1_linear"):
         pytest.skip("q4_1_linear is built only for CPUs with AVX512-BF16")
 
 
 @pytest.fixture(scope="module")
-def file_codes() -> dict[str, Q4_1Weight]:
-    return {name: w for name, w in iterate_gguf_q4_1(str(smollm2_gguf_path())) if name in NAMES}
+def file_codes(smollm2_gguf) -> dict[str, Q4_1Weight]:
+    return {name: w for name, w in iterate_gguf_q4_1(str(smollm2_gguf)) if name in NAMES}
 
 
 def exact_weight(w: Q4_1Weight) -> torch.Tensor:

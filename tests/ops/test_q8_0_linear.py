@@ -8,23 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_utils import model_runner
-from reference import smollm2_gguf_path
 
-from minivllm import LLM
 from minivllm.model.gguf_loader import gguf_lm_head_q8_0, iterate_gguf_weights
 from minivllm.model.layers.quant import Q8_0_MAX_ROWS, Q8_0Weight
-from minivllm.ops import cpu_kernels
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.fixture(scope="module")
-def lm_head():
-    path = str(smollm2_gguf_path())
+def lm_head(smollm2_gguf):
+    path = str(smollm2_gguf)
     codes = gguf_lm_head_q8_0(path)
     dense = next(w for name, w in iterate_gguf_weights(path) if name == "model.embed_tokens.weight")
     return codes, dense
@@ -73,10 +66,10 @@ def test_q8_0_linear_rejects_bad_shapes():
 @pytest.mark.parametrize(("dtype", "kernels_on", "expected"), [
     ("bfloat16", "1", True), ("float32", "1", True), ("bfloat16", "0", False),
 ])
-def test_model_uses_q8_0_lm_head_for_few_rows(monkeypatch, lm_head, dtype, kernels_on, expected):
+def test_model_uses_q8_0_lm_head_for_few_rows(smollm2_gguf, make_llm, monkeypatch, lm_head, dtype, kernels_on, expected):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")  # to reach the model object
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", kernels_on)
-    llm = LLM(str(smollm2_gguf_path()), dtype=dtype, max_model_len=256)
+    llm = make_llm(smollm2_gguf, dtype=dtype, max_model_len=256)
     model = model_runner(llm).model
     assert (model.lm_head_q8_0 is not None) == expected
     if expected:

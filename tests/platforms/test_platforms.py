@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from minivllm.config import CacheConfig
-from minivllm.ops import cpu_kernels
 from minivllm.platforms import _torch_cuda_version, cuda_available, get_platform, resolve_device
 from minivllm.platforms.cpu import CpuPlatform
 from minivllm.platforms.cuda import CudaPlatform
@@ -46,8 +45,7 @@ def test_resolving_the_device_imports_no_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_cpu_platform_decisions(monkeypatch):
-    cpu_kernels.build()
+def test_cpu_platform_decisions(cpu_kernels, monkeypatch):
     cpu = get_platform("cpu")
     assert isinstance(cpu, CpuPlatform) and cpu is get_platform("cpu")
     assert cpu.use_custom_kernels(torch.float32) and cpu.use_custom_kernels(torch.bfloat16)

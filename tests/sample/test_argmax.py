@@ -9,16 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.ops import cpu_kernels
 from minivllm.platforms import get_platform
 
 argmax = get_platform("cpu").argmax
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    cpu_kernels.build()
-    assert cpu_kernels.load()
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def numpy_argmax(x: torch.Tensor) -> np.ndarray:

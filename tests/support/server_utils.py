@@ -40,7 +40,8 @@ class RemoteServer:
     """`python -m minivllm.entrypoints.cli serve MODEL --port P ARGS...` on a free loopback port.
 
     Started on construction; ready once GET /health answers 200. The server's stdout and stderr
-    go to a temporary log file, shown when the server fails to start or dies.
+    go to a temporary log file, shown when the server fails to start or dies. It leads its own
+    process group, so that `kill` and `stop` also reach its engine-core child.
     """
 
     def __init__(
@@ -63,7 +64,8 @@ class RemoteServer:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = tempfile.NamedTemporaryFile(prefix="minivllm-serve-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         self.startup_timeout = startup_timeout
         if wait:
             try:
@@ -96,16 +98,25 @@ class RemoteServer:
                     f"{self.output()[-8000:]}", pytrace=False)
 
     def stop(self, timeout: float = 40.0) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds; whatever is left
+        of its process group (an engine core that outlived it) is killed too."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+                pass
+        self.kill()
         self._log.close()
         return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its engine core at once, as a crash or the OOM killer would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
 
     def __enter__(self) -> RemoteServer:
         return self
@@ -143,6 +154,10 @@ class RemoteServer:
         response = self.get("metrics")
         assert response.status_code == 200, response.text
         return parse_metrics(response.text)
+
+    def metric(self, name: str) -> float:
+        """One metric of /metrics, summed over its label sets."""
+        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
 
     def count_tokens(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> int:
         body = {"prompt": prompt} if messages is None else {"messages": messages}

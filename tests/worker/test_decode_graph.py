@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import model_runner
-from reference import smollm2_gguf_path
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backend import GraphSupport
@@ -59,47 +58,51 @@ def _generate(llm: LLM) -> list:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize(("arch", "dtype"), [("llama", "bfloat16"), ("llama", "float32"),
-                                             ("qwen2", "bfloat16"), ("qwen3", "bfloat16"),
-                                             ("smollm2-gguf", "bfloat16")])
-def test_traced_decode_equals_eager(make_tiny_model, arch, dtype):
-    """The real SmolLM2 GGUF too: its Linears pick Q4_1 codes up to 8 rows, the dense weights above."""
-    if arch == "smollm2-gguf":
-        model_dir = str(smollm2_gguf_path())
-    else:
-        model_dir = str(make_tiny_model(arch, head_dim=64))  # head_dim 64: the CPU paged backend
-    eager = _generate(LLM(model_dir, dtype=dtype, enforce_eager=True, max_num_batched_tokens=96))
-    llm = LLM(model_dir, dtype=dtype, max_num_batched_tokens=96)
+def check_traced_equals_eager(make_llm, model_dir, dtype: str) -> None:
+    eager = _generate(make_llm(model_dir, dtype=dtype, enforce_eager=True, max_num_batched_tokens=96))
+    llm = make_llm(model_dir, dtype=dtype, max_num_batched_tokens=96)
     traced = _generate(llm)
     assert traced == eager
     assert isinstance(model_runner(llm).graph_runner.graph, torch.jit.ScriptModule)
 
 
-def test_enforce_eager_runs_the_model(make_tiny_model):
-    llm = LLM(str(make_tiny_model("llama", head_dim=64)), dtype="bfloat16", enforce_eager=True)
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "bfloat16"), ("llama", "float32"),
+                                             ("qwen2", "bfloat16"), ("qwen3", "bfloat16")])
+def test_traced_decode_equals_eager(make_tiny_model, make_llm, arch, dtype):
+    # head_dim 64: the CPU paged backend
+    check_traced_equals_eager(make_llm, make_tiny_model(arch, head_dim=64), dtype)
+
+
+def test_traced_decode_equals_eager_smollm2(smollm2_gguf, make_llm):
+    """Its Linears pick Q4_1 codes up to 8 rows, the dense weights above."""
+    check_traced_equals_eager(make_llm, smollm2_gguf, "bfloat16")
+
+
+def test_enforce_eager_runs_the_model(make_tiny_model, make_llm):
+    llm = make_llm(make_tiny_model("llama", head_dim=64), dtype="bfloat16", enforce_eager=True)
     assert model_runner(llm).graph_runner is None
 
 
-def test_reference_backend_steps_stay_eager(make_tiny_model):
+def test_reference_backend_steps_stay_eager(make_tiny_model, make_llm):
     """head_dim 16: the torch reference backend, whose metadata is per-step Python structure; no
     step may replay a recording (GraphSupport.NEVER)."""
-    llm = LLM(str(make_tiny_model("llama")), dtype="float32")
+    llm = make_llm(make_tiny_model("llama"), dtype="float32")
     runner = model_runner(llm)
     assert runner.attn_backend.graph_support == GraphSupport.NEVER
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert not runner.graph_runner.traced
 
 
-def test_failed_trace_leaves_the_size_eager(make_tiny_model, monkeypatch):
+def test_failed_trace_leaves_the_size_eager(make_tiny_model, make_llm, monkeypatch):
     model_dir = str(make_tiny_model("llama", head_dim=64))
-    eager = _generate(LLM(model_dir, dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=96))
+    eager = _generate(make_llm(model_dir, dtype="bfloat16", enforce_eager=True, max_num_batched_tokens=96))
 
     def broken_trace():
         raise RuntimeError("cannot trace")
 
     calls = []
     monkeypatch.setattr(decode_graph.torch.jit, "trace", lambda *a, **k: calls.append(1) or broken_trace())
-    llm = LLM(model_dir, dtype="bfloat16", max_num_batched_tokens=96)
+    llm = make_llm(model_dir, dtype="bfloat16", max_num_batched_tokens=96)
     assert _generate(llm) == eager
     assert model_runner(llm).graph_runner.graph is None and calls == [1]  # tried once, then eager
 

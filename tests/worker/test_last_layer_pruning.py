@@ -49,10 +49,10 @@ def run_counting_rows(llm: LLM, prompts: list[list[int]], params: SamplingParams
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 32])
-def test_last_layer_takes_only_sampled_rows(case, max_num_batched_tokens):
+def test_last_layer_takes_only_sampled_rows(case, make_llm, max_num_batched_tokens):
     model_dir, prompts, reference = case
     kwargs = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
-    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, **kwargs)
+    llm = make_llm(model_dir, dtype="float32", enforce_eager=True, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs, rows = run_counting_rows(llm, prompts, params)
     ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
@@ -67,9 +67,9 @@ def test_last_layer_takes_only_sampled_rows(case, max_num_batched_tokens):
     assert_engine_idle(llm)
 
 
-def test_prompt_logprobs_keep_every_row(case):
+def test_prompt_logprobs_keep_every_row(case, make_llm):
     model_dir, prompts, _ = case
-    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True)
+    llm = make_llm(model_dir, dtype="float32", enforce_eager=True)
     with_prompt = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
     outputs, rows = run_counting_rows(llm, prompts, with_prompt)
     assert all(first == last for first, last in rows)

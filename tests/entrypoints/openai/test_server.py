@@ -9,7 +9,7 @@ from server_utils import MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
 from transformers import AutoTokenizer
 
 import minivllm
-from minivllm import LLM, SamplingParams
+from minivllm import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 MESSAGES = [
@@ -25,10 +25,8 @@ def tokenizer(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
-    yield llm
-    llm.llm_engine.shutdown()
+def tiny_llm(tiny_llama_dir, make_module_llm):
+    return make_module_llm(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
 
 
 def greedy_completion(client, prompt=PROMPT, max_tokens=GREEDY_LEN, **kwargs):

@@ -7,30 +7,21 @@ import pytest
 import reference
 from server_utils import RemoteServer
 
-from minivllm import LLM, SamplingParams
-
-pytestmark = pytest.mark.slow
+from minivllm import SamplingParams
 
 NAME = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    gguf = reference.smollm2_gguf_path()
+def smollm2(smollm2_gguf, make_module_llm):
     # Start the server first and load the offline reference while it starts.
-    server = RemoteServer(gguf, ["--dtype", "float32", "--seed", "0", "--max-model-len", str(MAX_MODEL_LEN),
-                                 "--served-model-name", NAME], wait=False)
-    llm = None
-    try:
-        llm = LLM(str(gguf), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    server = RemoteServer(smollm2_gguf, ["--dtype", "float32", "--seed", "0", "--max-model-len", str(MAX_MODEL_LEN),
+                                         "--served-model-name", NAME], wait=False)
+    with server:
+        llm = make_module_llm(smollm2_gguf, dtype="float32", max_model_len=MAX_MODEL_LEN)
         server.wait_ready()
         yield server, llm
-    finally:
-        if llm is not None:
-            llm.llm_engine.shutdown()
-        server.stop()
-        server.log_path.unlink(missing_ok=True)
 
 
 def test_greedy_chat_equals_llm_chat_smollm2(smollm2):

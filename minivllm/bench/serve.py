@@ -45,7 +45,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 async def send_request(session: Any, url: str, endpoint: str, model: str, sample: SampleRequest,
                        temperature: float, headers: dict[str, str]) -> RequestTrace:
-    """One streaming request; every content chunk's arrival time is recorded."""
+    """One streaming request; the arrival time of every chunk with choices is recorded."""
     import aiohttp
 
     payload: dict[str, Any] = {
@@ -74,18 +74,21 @@ async def send_request(session: Any, url: str, endpoint: str, model: str, sample
                 if chunk.get("usage"):
                     trace.output_tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
-                if not any(_chunk_text(c) for c in choices):
+                if not choices:
                     continue
+                # vLLM's benchmark rule: the first chunk with choices is the first token (a server
+                # that sends the chat role before any token exists shows a TTFT of nothing), and
+                # every later one is an inter-token gap.
                 now = time.perf_counter()
                 if not trace.chunk_times:
                     trace.ttft = now - trace.start_time
                 else:
                     trace.itl.append(now - last)
                 trace.chunk_times.append(now)
-                trace.chunk_tokens.append(1)
+                trace.chunk_tokens.append(1 if any(_chunk_text(c) for c in choices) else 0)
                 last = now
         trace.latency = last - trace.start_time
-        trace.output_tokens = trace.output_tokens or len(trace.chunk_times)
+        trace.output_tokens = trace.output_tokens or sum(trace.chunk_tokens)
         trace.success = bool(trace.chunk_times)
         if not trace.success:
             trace.error = "no output"

@@ -115,6 +115,27 @@ def test_serve_chat_endpoint_random(server, tmp_path):
     check_per_request(result, 5)
 
 
+def test_serve_timings_agree_with_the_engine(server, tmp_path):
+    """One request at a time on the chat route: the client's TTFT and end-to-end latency are the
+    server's own (from its request's arrival in the front end, in /metrics) plus the HTTP and
+    chat-template work before that arrival, which is small."""
+    def engine_sums() -> tuple[float, float, float]:
+        return (server.metric("vllm:time_to_first_token_seconds_sum"),
+                server.metric("vllm:e2e_request_latency_seconds_sum"),
+                server.metric("vllm:e2e_request_latency_seconds_count"))
+
+    before = engine_sums()
+    result = bench(server, tmp_path / "timings.json", "--endpoint", "/v1/chat/completions", "--num-prompts", "6",
+                   "--random-input-len", "200", "--random-output-len", "16", "--max-concurrency", "1")
+    ttft_sum, e2e_sum, count = (a - b for a, b in zip(engine_sums(), before, strict=True))
+    assert result["completed"] == 6 and count == 6
+    client_ttft, client_e2el = result["mean_ttft_ms"] / 1000, result["mean_e2el_ms"] / 1000
+    assert ttft_sum / 6 <= client_ttft <= ttft_sum / 6 + 0.1
+    assert e2e_sum / 6 <= client_e2el <= e2e_sum / 6 + 0.1
+    # TPOT from the same chunks: what follows the first token, over the 15 tokens after it.
+    assert result["mean_tpot_ms"] == pytest.approx((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / 15)
+
+
 def test_serve_max_concurrency(server, tmp_path, monkeypatch):
     in_flight, peak = 0, 0
     real_send = bench_serve.send_request

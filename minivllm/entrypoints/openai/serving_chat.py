@@ -124,14 +124,20 @@ class OpenAIServingChat(OpenAIServing):
             return [ChatCompletionResponseStreamChoice(index=i, delta=delta) for i in range(request.n)]
 
         role = response_role(request)
-        yield chunk(to_all(DeltaMessage(role=role, content="")), 0)
-        if echo := echo_text(request, role):
-            yield chunk(to_all(DeltaMessage(content=echo)), 0)
+        started = False
         async for output in stream:
             for c in output.outputs:
                 num_generated[c.index] += len(c.token_ids)
                 if not c.text and not c.finished() and not c.token_ids:
                     continue
+                if not started:
+                    # The role (and the echo) go out with the first generated token, as vLLM's
+                    # server sends them: a client that times the first chunk (vLLM's benchmark,
+                    # most load testers) then measures the time to the first token.
+                    started = True
+                    yield chunk(to_all(DeltaMessage(role=role, content="")), 0)
+                    if echo := echo_text(request, role):
+                        yield chunk(to_all(DeltaMessage(content=echo)), 0)
                 yield chunk([ChatCompletionResponseStreamChoice(
                     index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c, logprobs),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,

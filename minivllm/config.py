@@ -7,6 +7,7 @@ KV blocks) are filled in with dataclasses.replace, never by mutation.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,21 @@ class CacheConfig:
             )
 
 
+class SchedulingPolicy(enum.Enum):
+    """The order of the waiting queue (core/sched/request_queue.py): arrival, or vLLM's request
+    priority (lower first, ties by arrival)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+    @classmethod
+    def parse(cls, name: str) -> SchedulingPolicy:
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in cls)}, got {name!r}.") from None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192
@@ -106,12 +122,15 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget over several steps."""
+    policy: str = SchedulingPolicy.FCFS.value
+    """Order of admission: fcfs (arrival) or priority (request priority, lower first)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        SchedulingPolicy.parse(self.policy)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "Without chunked prefill, max_num_batched_tokens "

@@ -64,12 +64,15 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # Under scheduling_policy="priority": lower is admitted first, and preempted last.
+        self.priority = priority
         # max_tokens None means "up to max_model_len"; the scheduler checks both.
         self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens else 1 << 62
 

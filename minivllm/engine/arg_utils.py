@@ -22,6 +22,7 @@ from minivllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     VllmConfig,
 )
 from minivllm.logger import init_logger
@@ -70,6 +71,9 @@ class EngineArgs:
     """cpu, cuda, or auto (cuda when available)."""
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts across steps so decodes keep flowing."""
+    scheduling_policy: str = SchedulerConfig.policy
+    """Admission order: fcfs (arrival) or priority (each request's priority, lower first, ties by
+    arrival; the lowest priority is preempted first)."""
     max_logprobs: int = ModelConfig.max_logprobs
     """Most logprobs (and prompt logprobs) a request may ask for."""
     gguf_int4_decode: bool = ModelConfig.gguf_int4_decode
@@ -94,6 +98,7 @@ class EngineArgs:
             raise ValueError(f"Unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        SchedulingPolicy.parse(self.scheduling_policy)
         self._create_cache_config()
         self._create_parallel_config()
 
@@ -128,6 +133,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
         )
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),

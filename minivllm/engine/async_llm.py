@@ -57,10 +57,10 @@ class AsyncLLM:
         return self.dead_error is not None or self.engine_core.engine_dead
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request (cumulative, delta or final, per output_kind)."""
-        queue = await self.add_request(request_id, prompt, sampling_params)
+        queue = await self.add_request(request_id, prompt, sampling_params, priority)
         async for output in self.stream_outputs(request_id, queue):
             yield output
 
@@ -80,12 +80,14 @@ class AsyncLLM:
                 await self.abort(request_id)
             raise
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestOutputQueue:
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> RequestOutputQueue:
         """Validate and send one request to the engine; a ValueError here means it was rejected
         and nothing was added. Its outputs arrive in the returned queue (see stream_outputs)."""
         self.check_health()
         self._start_output_handler()
-        request, prompt_text = self.processor.process_inputs(request_id, prompt, params)
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, params, priority=priority)
         queue: RequestOutputQueue = asyncio.Queue()
         engine_requests = self.output_processor.add_request(request, prompt_text, queue)
         try:

@@ -81,6 +81,7 @@ class EngineCore:
                 request.eos_token_id,
                 request.arrival_time,
                 request.cache_salt,
+                request.priority,
             )
         )
 

@@ -61,10 +61,11 @@ class LLMEngine:
         return self.tokenizer
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and enqueue one request; a ValueError leaves the engine untouched."""
-        request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
         for engine_request in self.output_processor.add_request(request, prompt_text):
             self.engine_core.add_request(engine_request)
 

@@ -35,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float
     # Separates this request's prefix-cache entries from other users' (vLLM's cache_salt).
     cache_salt: str | None = None
+    # Under scheduling_policy="priority": lower first, ties by arrival (vLLM's request priority).
+    priority: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):

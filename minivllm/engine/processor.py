@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from minivllm.config import ModelConfig, VllmConfig
+from minivllm.config import ModelConfig, SchedulingPolicy, VllmConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.sampling_params import SamplingParams
@@ -21,17 +21,22 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.scheduling_policy = SchedulingPolicy.parse(scheduling_policy)
         self.vocab_size = model_config.hf_config.vocab_size
 
     def process_inputs(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the engine request and the prompt text (None when given as token ids)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        if priority != 0 and self.scheduling_policy != SchedulingPolicy.PRIORITY:
+            raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled "
+                             "(scheduling_policy='priority').")
         self._validate_params(params)
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
@@ -44,6 +49,7 @@ class Processor:
             eos_token_id=self.tokenizer.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+            priority=priority,
         )
         return request, prompt_text
 
@@ -108,7 +114,7 @@ def start_front_end(vllm_config: VllmConfig, engine_core: Any) -> tuple[Any, Pro
         from minivllm.transformers_utils.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        processor = Processor(vllm_config.model_config, tokenizer)
+        processor = Processor(vllm_config.model_config, tokenizer, vllm_config.scheduler_config.policy)
         output_processor = OutputProcessor(tokenizer)
         engine_core.wait_for_ready()
     except BaseException:

@@ -46,8 +46,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt: a string, a list of token ids, or a {"prompt"|"prompt_token_ids": ...} dict."""
+        """Generate for each prompt: a string, a list of token ids, or a {"prompt"|"prompt_token_ids": ...} dict.
+        `priority`, one per prompt, orders them under scheduling_policy="priority" (lower first)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -68,7 +70,11 @@ class LLM:
         params_list = [
             msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list
         ]
-        request_ids = self._add_requests(prompts, params_list)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt.")
+        request_ids = self._add_requests(prompts, params_list, list(priority))
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -100,13 +106,13 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _add_requests(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list[PromptType], params_list: list[SamplingParams], priority: list[int]) -> list[str]:
         """Add all requests, or none: on a bad one, those already added are aborted."""
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, request_priority in zip(prompts, params_list, priority, strict=True):
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, priority=request_priority)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

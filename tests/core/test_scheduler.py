@@ -316,6 +316,41 @@ def test_preemption_victim_is_the_most_recently_admitted():
     run_to_completion(scheduler, worker=worker)
 
 
+def test_priority_policy_admits_the_lowest_value_first():
+    """One seat: the requests run one after another, in (priority, arrival) order."""
+    scheduler = create_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    _add(scheduler, create_requests(4, prompt_len=8, max_tokens=2, priority=[1, 0, 3, 0]))
+    result = run_to_completion(scheduler)
+    admitted = [r.req_id for so in result.scheduler_outputs for r in so.scheduled_new_reqs]
+    assert admitted == ["1", "3", "0", "2"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_even_if_scheduled_this_step():
+    # 8 usable blocks of 4 tokens; max_model_len 16.
+    scheduler = create_scheduler(num_blocks=9, block_size=4, max_model_len=16, max_num_seqs=3,
+                                 scheduling_policy="priority")
+    worker = FakeWorker()
+    a, b, c = create_requests(3, prompt_len=[8, 7, 11], max_tokens=[6, 4, 4], priority=[5, 0, 0])
+    _add(scheduler, [a])
+    step(scheduler, worker)  # a runs alone: 2 blocks
+    _add(scheduler, [b, c])
+    step(scheduler, worker)  # a grows to 3 blocks, b takes 2, c 3: the cache is full
+    assert scheduler.running == [a, b, c] and _free_ids(scheduler) == []
+    so, _ = step(scheduler, worker)  # everyone fits in the blocks they hold
+    assert so.preempted_req_ids == set()
+
+    # b's 9th token needs a block. a (priority 5) is the victim although it was admitted first
+    # and already scheduled in this step: its token is taken back out of the step.
+    so, _ = step(scheduler, worker)
+    assert so.preempted_req_ids == {"0"}
+    assert so.num_scheduled_tokens == {"1": 1, "2": 1}
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    assert a.output_token_ids == [T0, T0 + 1, T0 + 2]  # kept, to be recomputed
+    assert scheduler.running == [b, c] and list(scheduler.waiting) == [a]
+    result = run_to_completion(scheduler, worker=worker)
+    assert result.finish_reasons == {"0": FinishReason.LENGTH, "1": FinishReason.LENGTH, "2": FinishReason.LENGTH}
+
+
 def test_requests_finishing_in_the_same_step_free_blocks_in_batch_order():
     """Block reuse must not depend on PYTHONHASHSEED.
 

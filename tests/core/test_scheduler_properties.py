@@ -71,6 +71,8 @@ class Scenario:
     hash_algo: str = "sha256"
     num_kv_cache_groups: int = 1
     num_spec_tokens: int = 0  # drafts the fake worker proposes per step (0: none)
+    scheduling_policy: str = "fcfs"
+    priorities: list[int] | None = None  # per request, under the priority policy
 
 
 def _token_run(seed: int, length: int) -> list[int]:
@@ -150,6 +152,8 @@ def build_scenario(
         hash_algo,
         num_groups,
         num_spec_tokens=ints(0, 4) if ints(0, 1) else 0,
+        scheduling_policy=("fcfs", "priority")[ints(0, 1)],
+        priorities=[ints(-2, 2) for _ in range(num_requests)],
     )
 
 
@@ -183,6 +187,7 @@ def run_scenario(sc: Scenario) -> ScenarioRun:
         enable_prefix_caching=sc.enable_prefix_caching,
         prefix_caching_hash_algo=sc.hash_algo,
         num_kv_cache_groups=sc.num_kv_cache_groups,
+        scheduling_policy=sc.scheduling_policy,
     )
     specs = {str(i): spec for i, spec in enumerate(sc.requests)}
     requests = {}
@@ -196,6 +201,7 @@ def run_scenario(sc: Scenario) -> ScenarioRun:
             prompts=None if spec.prompt is None else [spec.prompt],
             cache_salt=spec.cache_salt,
             prompt_logprobs=spec.prompt_logprobs,
+            priority=sc.priorities[i] if sc.scheduling_policy == "priority" else 0,
         )
         requests[req.request_id] = req
 

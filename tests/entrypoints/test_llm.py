@@ -222,3 +222,19 @@ def test_bfloat16_runs_close_to_float32(make_tiny_model, make_llm):
         outputs_1=[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in bf16],
         name_0="float32", name_1="bfloat16",
     )
+
+
+def test_priority_scheduling(make_tiny_model, make_llm, llm):
+    """One seat: the prompts run one at a time, lowest priority value first, ties by arrival;
+    an engine scheduling fcfs refuses priorities, and keeps serving."""
+    prompts = [[5 + i, 6, 7] for i in range(4)]
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate(prompts, greedy(), priority=[2, 0, 1, 0], use_tqdm=False)
+    assert_engine_idle(llm)
+    ranked = make_llm(make_tiny_model("llama"), dtype="float32", max_num_seqs=1, scheduling_policy="priority")
+    with pytest.raises(ValueError, match="Got 2 priorities for 4 prompts"):
+        ranked.generate(prompts, greedy(), priority=[0, 1], use_tqdm=False)
+    outs = ranked.generate(prompts, greedy(), priority=[2, 0, 1, 0], use_tqdm=False)
+    assert sorted(range(4), key=lambda i: outs[i].metrics.first_token_time) == [1, 3, 2, 0]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids
+                                                      for o in llm.generate(prompts, greedy(), use_tqdm=False)]

@@ -103,6 +103,7 @@ def create_scheduler(
     enable_prefix_caching: bool = False,
     prefix_caching_hash_algo: str = "sha256",
     num_kv_cache_groups: int = 1,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
     `num_kv_cache_groups` KV cache groups.
@@ -117,6 +118,7 @@ def create_scheduler(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
+        policy=scheduling_policy,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -143,6 +145,7 @@ def create_requests(
     prompts: Sequence[Sequence[int]] | None = None,
     prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
+    priority: int | Sequence[int] = 0,
 ) -> list[Request]:
     """`num_requests` requests with ids f"{id_prefix}{i}"; per-request lengths may be lists.
 
@@ -157,7 +160,8 @@ def create_requests(
         max_tokens_list: list[int | None] = [max_tokens] * num_requests
     else:
         max_tokens_list = list(max_tokens)
-    assert len(lengths) == num_requests and len(max_tokens_list) == num_requests
+    priorities = [priority] * num_requests if isinstance(priority, int) else list(priority)
+    assert len(lengths) == num_requests and len(max_tokens_list) == num_requests == len(priorities)
     requests = []
     for i, (length, n_out) in enumerate(zip(lengths, max_tokens_list, strict=True)):
         index = start_index + i
@@ -183,6 +187,7 @@ def create_requests(
                 eos_token_id=eos_token_id,
                 arrival_time=float(index),
                 cache_salt=cache_salt,
+                priority=priorities[i],
             )
         )
     return requests

@@ -5,9 +5,11 @@ has `num_computed_tokens` and `num_tokens_with_spec` (its known tokens plus the 
 verify); every step the scheduler hands out a budget of `max_num_batched_tokens` so that
 computed tokens catch up. A decode is a request one token behind (plus its drafts); a prefill
 chunk is a request many tokens behind, cut to the budget. Running requests are served first, in
-admission order; waiting requests are admitted after, in arrival order. When the KV cache runs
-out, the most recently admitted running request is preempted: its blocks are freed and it goes
-back to the head of the queue, to be recomputed.
+admission order; waiting requests are admitted after, in the policy's order (request_queue.py:
+arrival, or priority then arrival). When the KV cache runs out, a running request is preempted:
+its blocks are freed and it goes back to the queue, to be recomputed. Under "fcfs" that is the
+most recently admitted one (back to the head of the queue); under "priority", the one of the
+lowest priority (the highest value), latest arrival among equals.
 
 After the step, update_from_output appends each request's sampled tokens one at a time (a step
 may give several: accepted drafts plus one), stops at the first stop condition, and takes back
@@ -16,14 +18,15 @@ the computed draft tokens that were rejected.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from minivllm.config import SchedulingPolicy
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, LogprobsArrays, SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minivllm.core.sched.request_queue import create_request_queue
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
@@ -45,6 +48,7 @@ class Scheduler:
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = SchedulingPolicy.parse(scheduler_config.policy)
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -53,7 +57,7 @@ class Scheduler:
         )
 
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the worker must drop their state.
         self.finished_req_ids: set[str] = set()
@@ -65,7 +69,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
-        self.waiting.append(request)
+        self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> None:
@@ -83,7 +87,7 @@ class Scheduler:
         if running:
             self.running = [r for r in self.running if r.request_id not in running]
         if waiting:
-            self.waiting = deque(r for r in self.waiting if r.request_id not in waiting)
+            self.waiting.remove_requests(waiting)
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
@@ -156,13 +160,23 @@ class Scheduler:
                 self.max_model_len - request.num_computed_tokens,
             )
             while (blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                victim = self.running.pop()
+                victim = self._choose_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < req_index:  # scheduled earlier in this step: undo that
+                    scheduled.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                    req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if blocks is None:
-                break
+                # It preempted itself. Under fcfs it was the last one; under priority the ones
+                # after it rank higher, and may fit in the blocks it left.
+                continue
             scheduled.append(request)
             if request.spec_token_ids:
                 self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
@@ -190,11 +204,11 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int],
         new_block_ids: dict[str, tuple[list[int], ...]],
     ) -> tuple[list[Request], list[Request]]:
-        """Admit waiting requests in arrival order while budget, seats and blocks allow."""
+        """Admit waiting requests in the policy's order while budget, seats and blocks allow."""
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             # Prefix cache: new and preempted requests start from what is already computed.
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
@@ -204,7 +218,7 @@ class Scheduler:
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
             if blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
                 scheduled_resumed.append(request)
@@ -219,6 +233,12 @@ class Scheduler:
             token_budget -= num_new_tokens
         return scheduled_new, scheduled_resumed
 
+    def _choose_victim(self) -> Request:
+        """The running request to preempt when blocks run out."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop the KV (and the drafts), restart from token 0 (or its
         prefix cache hit) when readmitted."""
@@ -228,7 +248,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
 
     def _make_output(
         self,

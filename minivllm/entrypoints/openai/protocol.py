@@ -65,6 +65,8 @@ class SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    # vLLM's extra field: under --scheduling-policy priority, lower is served first.
+    priority: int = 0
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:

@@ -49,11 +49,13 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
-    async def start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def start(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Add the request now (so a rejection is a 400 before any response is sent) and return
         its output stream. If a later request of the same call is rejected, the earlier ones are
         aborted by the caller closing their streams."""
-        queue = await self.engine.add_request(request_id, prompt, params)
+        queue = await self.engine.add_request(request_id, prompt, params, priority)
         return self.engine.stream_outputs(request_id, queue)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, prompt_field: str) -> int:

@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(max_tokens, logprobs)
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": token_ids, "prompt": text, "cache_salt": request.cache_salt}
-        stream = await self.start(request_id, prompt, params)
+        stream = await self.start(request_id, prompt, params, request.priority)
         if request.stream:
             return self._stream(request, request_id, len(token_ids), params.logprobs, stream)
         final = None

@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.echo and request.logprobs is not None:
                     params.prompt_logprobs = request.logprobs
                 prompt = {"prompt_token_ids": token_ids, "prompt": text, "cache_salt": request.cache_salt}
-                streams.append(await self.start(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.start(f"{request_id}-{i}", prompt, params, request.priority))
         except BaseException:
             for j in range(len(streams)):
                 await self.engine.abort(f"{request_id}-{j}")

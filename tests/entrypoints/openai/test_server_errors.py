@@ -81,6 +81,7 @@ BAD_VALUES = [
     ({"min_p": 2.0, "extra": True}, "min_p"),
     ({"repetition_penalty": 0.0, "extra": True}, "repetition_penalty"),
     ({"presence_penalty": 5.0}, "presence_penalty"),
+    ({"priority": 1, "extra": True}, "priority"),  # this server schedules fcfs
 ]
 
 

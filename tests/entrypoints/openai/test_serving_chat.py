@@ -26,7 +26,7 @@ class GatedEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    async def add_request(self, request_id, prompt, params):
+    async def add_request(self, request_id, prompt, params, priority=0):
         return None
 
     async def stream_outputs(self, request_id, queue):

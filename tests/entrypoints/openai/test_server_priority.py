@@ -1,0 +1,42 @@
+"""`minivllm serve --scheduling-policy priority`: a request's `priority` (vLLM's extra field)
+orders the waiting queue, on both routes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from server_utils import MODEL_NAME, TINY_SERVER_ARGS, RemoteServer, wait_for
+
+
+def test_higher_priority_overtakes_in_the_queue(tiny_llama_dir):
+    args = [*TINY_SERVER_ARGS, "--served-model-name", MODEL_NAME, "--scheduling-policy", "priority",
+            "--max-num-seqs", "1"]
+    with RemoteServer(tiny_llama_dir, args) as server:
+        finished: list[str] = []
+
+        def send(name: str, route: str, body: dict) -> None:
+            response = server.post(route, {"model": MODEL_NAME, "max_tokens": 8, "ignore_eos": True, **body})
+            assert response.status_code == 200, response.text
+            finished.append(name)
+
+        # The one seat is taken by a long request; four more wait behind it, each sent with a
+        # better (lower) priority than the one before, on alternating routes.
+        blocker = threading.Thread(target=send, args=("blocker", "v1/completions",
+                                                      {"prompt": "Hello", "max_tokens": 300}))
+        blocker.start()
+        assert wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 1, 30.0)
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        waiting = [
+            threading.Thread(target=send, args=("A", "v1/completions", {"prompt": "Hey", "priority": 3})),
+            threading.Thread(target=send, args=("B", "v1/chat/completions", {**chat, "priority": 1})),
+            threading.Thread(target=send, args=("C", "v1/completions", {"prompt": "Hey", "priority": -1})),
+            threading.Thread(target=send, args=("D", "v1/chat/completions", {**chat, "priority": -2})),
+        ]
+        for thread in waiting:
+            thread.start()
+            time.sleep(0.05)
+        assert wait_for(lambda: server.metrics()["vllm:num_requests_waiting"] == 4, 30.0)
+        for thread in [blocker, *waiting]:
+            thread.join(timeout=120)
+        assert finished == ["blocker", "D", "C", "B", "A"]

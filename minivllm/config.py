@@ -124,6 +124,10 @@ class SchedulerConfig:
     """Split prompts longer than the remaining budget over several steps."""
     policy: str = SchedulingPolicy.FCFS.value
     """Order of admission: fcfs (arrival) or priority (request priority, lower first)."""
+    long_prefill_token_threshold: int = 0
+    """Most tokens one request takes in a step (0: no cap besides the budget)."""
+    max_num_partial_prefills: int = 1
+    """Most prompts a step may leave unfinished (prefilled in part)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -131,6 +135,12 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         SchedulingPolicy.parse(self.policy)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}.")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold chunks prompts: it needs enable_chunked_prefill.")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "Without chunked prefill, max_num_batched_tokens "

@@ -71,6 +71,11 @@ class EngineArgs:
     """cpu, cuda, or auto (cuda when available)."""
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts across steps so decodes keep flowing."""
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    """Most tokens one request takes in a step, so that one long prompt cannot fill a step (0: off)."""
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    """Most prompts a step may leave prefilled in part (with long_prefill_token_threshold, more
+    prompts advance side by side)."""
     scheduling_policy: str = SchedulerConfig.policy
     """Admission order: fcfs (arrival) or priority (each request's priority, lower first, ties by
     arrival; the lowest priority is preempted first)."""
@@ -134,6 +139,8 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
         )
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),

@@ -316,6 +316,50 @@ def test_preemption_victim_is_the_most_recently_admitted():
     run_to_completion(scheduler, worker=worker)
 
 
+def test_long_prompts_advance_side_by_side_in_capped_chunks():
+    """long_prefill_token_threshold 8, two partial prefills: three 30-token prompts; each step
+    at most two are left unfinished, no chunk exceeds 8, and each prompt's chunks add up to it."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8,
+                                 max_num_partial_prefills=2)
+    _add(scheduler, create_requests(3, prompt_len=30, max_tokens=3))
+    result = run_to_completion(scheduler)
+    first = result.scheduler_outputs[0]
+    assert first.num_scheduled_tokens == {"0": 8, "1": 8}  # the third would be a third partial
+    computed = dict.fromkeys(("0", "1", "2"), 0)
+    for so in result.scheduler_outputs:
+        assert all(n <= 8 for n in so.num_scheduled_tokens.values())
+        for req_id, n in so.num_scheduled_tokens.items():
+            computed[req_id] += n
+        assert sum(0 < n < 30 for n in computed.values()) <= 2
+    assert computed == dict.fromkeys(("0", "1", "2"), 30 + 2)  # the prompt, then two decode steps
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be >= 0"),
+    ({"max_num_partial_prefills": 0}, "max_num_partial_prefills must be >= 1"),
+    ({"long_prefill_token_threshold": 64, "enable_chunked_prefill": False, "max_num_batched_tokens": 128},
+     "long_prefill_token_threshold chunks prompts: it needs enable_chunked_prefill"),
+])
+def test_bad_chunking_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        create_scheduler(**kwargs)
+
+
+def test_decodes_go_before_prefill_chunks():
+    """A request still prefilling (admitted first) and one already decoding: the decode is
+    scheduled first, the prefill chunk gets what is left of the budget."""
+    scheduler = create_scheduler(max_num_batched_tokens=20, long_prefill_token_threshold=16,
+                                 max_num_partial_prefills=2)
+    worker = FakeWorker()
+    long, short = create_requests(2, prompt_len=[100, 4], max_tokens=[2, 5])
+    _add(scheduler, [long, short])
+    so, _ = step(scheduler, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("0", 16), ("1", 4)]
+    so, _ = step(scheduler, worker)  # short decodes first, long takes the other 19... capped at 16
+    assert list(so.num_scheduled_tokens.items()) == [("1", 1), ("0", 16)]
+    run_to_completion(scheduler, worker=worker)
+
+
 def test_priority_policy_admits_the_lowest_value_first():
     """One seat: the requests run one after another, in (priority, arrival) order."""
     scheduler = create_scheduler(max_num_seqs=1, scheduling_policy="priority")

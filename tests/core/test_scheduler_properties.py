@@ -73,6 +73,8 @@ class Scenario:
     num_spec_tokens: int = 0  # drafts the fake worker proposes per step (0: none)
     scheduling_policy: str = "fcfs"
     priorities: list[int] | None = None  # per request, under the priority policy
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
 
 
 def _token_run(seed: int, length: int) -> list[int]:
@@ -154,6 +156,8 @@ def build_scenario(
         num_spec_tokens=ints(0, 4) if ints(0, 1) else 0,
         scheduling_policy=("fcfs", "priority")[ints(0, 1)],
         priorities=[ints(-2, 2) for _ in range(num_requests)],
+        long_prefill_token_threshold=ints(1, 64) if enable_chunked_prefill and ints(0, 1) else 0,
+        max_num_partial_prefills=ints(1, 3),
     )
 
 
@@ -188,6 +192,8 @@ def run_scenario(sc: Scenario) -> ScenarioRun:
         prefix_caching_hash_algo=sc.hash_algo,
         num_kv_cache_groups=sc.num_kv_cache_groups,
         scheduling_policy=sc.scheduling_policy,
+        long_prefill_token_threshold=sc.long_prefill_token_threshold,
+        max_num_partial_prefills=sc.max_num_partial_prefills,
     )
     specs = {str(i): spec for i, spec in enumerate(sc.requests)}
     requests = {}

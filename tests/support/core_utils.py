@@ -104,6 +104,8 @@ def create_scheduler(
     prefix_caching_hash_algo: str = "sha256",
     num_kv_cache_groups: int = 1,
     scheduling_policy: str = "fcfs",
+    long_prefill_token_threshold: int = 0,
+    max_num_partial_prefills: int = 1,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
     `num_kv_cache_groups` KV cache groups.
@@ -119,6 +121,8 @@ def create_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=scheduling_policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        max_num_partial_prefills=max_num_partial_prefills,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -556,6 +560,8 @@ def check_output_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
     assert so.total_num_scheduled_tokens <= scheduler.max_num_scheduled_tokens
     assert len(so.num_scheduled_tokens) <= scheduler.max_num_running_reqs
     assert so.scheduled_spec_decode_tokens.keys() <= so.num_scheduled_tokens.keys()
+    if scheduler.long_prefill_token_threshold:
+        assert max(so.num_scheduled_tokens.values(), default=0) <= scheduler.long_prefill_token_threshold
     for req_id in so.num_scheduled_tokens:
         # Drafts are the last tokens of the request's scheduled ones, after its known tokens.
         request = scheduler.requests[req_id]
@@ -617,8 +623,13 @@ def step(
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     """One engine step with every invariant checked: schedule -> worker -> update, then the
     worker's drafts go to the requests still running (what EngineCore will do)."""
+    decoding = [r.request_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens <= 1]
     so = scheduler.schedule()
     check_invariants(scheduler, so, worker.max_num_draft_tokens)
+    # Decodes go first: no prefill chunk of a running request while a decode waits.
+    prefill_chunks = [i for i in so.scheduled_cached_reqs.req_ids if i not in decoding]
+    if prefill_chunks:
+        assert all(i in so.num_scheduled_tokens or i in so.preempted_req_ids for i in decoding), (decoding, so)
     if scheduler.has_unfinished_requests():
         assert so.total_num_scheduled_tokens > 0, "no progress although requests are unfinished"
     mro = worker.execute_model(so, scheduler)

@@ -4,8 +4,9 @@ NOTE on the algorithm (vLLM V1's): there is no prefill phase and no decode phase
 has `num_computed_tokens` and `num_tokens_with_spec` (its known tokens plus the draft tokens to
 verify); every step the scheduler hands out a budget of `max_num_batched_tokens` so that
 computed tokens catch up. A decode is a request one token behind (plus its drafts); a prefill
-chunk is a request many tokens behind, cut to the budget. Running requests are served first, in
-admission order; waiting requests are admitted after, in the policy's order (request_queue.py:
+chunk is a request many tokens behind, cut to the budget (and to long_prefill_token_threshold).
+Running requests are served first, decodes before prefill chunks (a stream never waits behind a
+prompt), each kind in admission order; waiting requests are admitted after, in the policy's order (request_queue.py:
 arrival, or priority then arrival). When the KV cache runs out, a running request is preempted:
 its blocks are freed and it goes back to the queue, to be recomputed. Under "fcfs" that is the
 most recently admitted one (back to the head of the queue); under "priority", the one of the
@@ -49,6 +50,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.policy = SchedulingPolicy.parse(scheduler_config.policy)
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -118,7 +121,7 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids: dict[str, tuple[list[int], ...]] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        scheduled_running, preempted = self._schedule_running(
+        scheduled_running, preempted, num_partial = self._schedule_running(
             token_budget, num_scheduled_tokens, new_block_ids, scheduled_spec_decode_tokens
         )
         token_budget -= sum(num_scheduled_tokens.values())
@@ -127,7 +130,7 @@ class Scheduler:
         if not preempted:
             # NOTE: after a preemption the cache is full; admitting more would only thrash.
             scheduled_new, scheduled_resumed = self._schedule_waiting(
-                token_budget, num_scheduled_tokens, new_block_ids
+                token_budget, num_scheduled_tokens, new_block_ids, num_partial
             )
         output = self._make_output(
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
@@ -144,47 +147,66 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int],
         new_block_ids: dict[str, tuple[list[int], ...]],
         scheduled_spec_decode_tokens: dict[str, list[int]],
-    ) -> tuple[list[Request], list[Request]]:
+    ) -> tuple[list[Request], list[Request], int]:
         """Give each running request its next chunk (or decode token and draft tokens),
-        preempting on OOM."""
+        preempting on OOM. Decodes go first: a stream never waits a step behind a prompt that
+        is still being prefilled; prefill chunks share what is left of the budget, each at most
+        long_prefill_token_threshold tokens, at most max_num_partial_prefills of them left
+        unfinished by the step (returned: how many were)."""
         scheduled: list[Request] = []
         preempted: list[Request] = []
-        req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
-            num_new_tokens = min(
+        num_partial = 0
+        # Stable: admission order within the decodes and within the prefills.
+        for request in sorted(self.running, key=self._is_prefilling):
+            if token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = self._cap_chunk(min(
                 request.num_tokens_with_spec - request.num_computed_tokens,
                 token_budget,
                 # NOTE: draft tokens never take a request past max_model_len (known tokens
                 # never do), so one request never needs more blocks than the cache holds.
                 self.max_model_len - request.num_computed_tokens,
-            )
+            ))
+            partial = request.num_computed_tokens + num_new_tokens < request.num_tokens
+            if partial and num_partial >= self.max_num_partial_prefills:
+                continue
             while (blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
                 victim = self._choose_victim()
-                victim_index = self.running.index(victim)
-                self.running.pop(victim_index)
-                if victim_index < req_index:  # scheduled earlier in this step: undo that
+                self.running.remove(victim)
+                if victim.request_id in num_scheduled_tokens:  # scheduled earlier in this step
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_block_ids[victim.request_id]
                     scheduled_spec_decode_tokens.pop(victim.request_id, None)
-                    req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if blocks is None:
-                # It preempted itself. Under fcfs it was the last one; under priority the ones
-                # after it rank higher, and may fit in the blocks it left.
+                # It preempted itself; the requests after it may fit in the blocks it left.
                 continue
+            num_partial += partial
             scheduled.append(request)
             if request.spec_token_ids:
                 self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
             new_block_ids[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            req_index += 1
-        return scheduled, preempted
+        return scheduled, preempted, num_partial
+
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        """More than the last known token still to compute: a prompt (or, after a preemption,
+        a recomputation) in progress, not a decode."""
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _cap_chunk(self, num_new_tokens: int) -> int:
+        """vLLM's long_prefill_token_threshold: no request takes more tokens in one step (0: off)."""
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            return self.long_prefill_token_threshold
+        return num_new_tokens
 
     @staticmethod
     def _schedule_spec_tokens(
@@ -203,8 +225,10 @@ class Scheduler:
         token_budget: int,
         num_scheduled_tokens: dict[str, int],
         new_block_ids: dict[str, tuple[list[int], ...]],
+        num_partial: int,
     ) -> tuple[list[Request], list[Request]]:
-        """Admit waiting requests in the policy's order while budget, seats and blocks allow."""
+        """Admit waiting requests in the policy's order while budget, seats and blocks allow,
+        and while prompts left unfinished by the step stay within max_num_partial_prefills."""
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
@@ -214,7 +238,10 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = self._cap_chunk(min(num_new_tokens, token_budget))
+            partial = num_computed + num_new_tokens < request.num_tokens
+            if partial and num_partial >= self.max_num_partial_prefills:
+                break
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
             if blocks is None:
                 break
@@ -231,6 +258,7 @@ class Scheduler:
             new_block_ids[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            num_partial += partial
         return scheduled_new, scheduled_resumed
 
     def _choose_victim(self) -> Request:

@@ -128,6 +128,9 @@ class SchedulerConfig:
     """Most tokens one request takes in a step (0: no cap besides the budget)."""
     max_num_partial_prefills: int = 1
     """Most prompts a step may leave unfinished (prefilled in part)."""
+    max_step_ms: float | None = None
+    """Step-time budget: prefill chunks are sized by a cost model fitted to the measured steps
+    so that a step's predicted time stays within it (decodes always run); None: tokens only."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -139,6 +142,10 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}.")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold chunks prompts: it needs enable_chunked_prefill.")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0, got {self.max_step_ms}.")
+        if self.max_step_ms is not None and not self.enable_chunked_prefill:
+            raise ValueError("max_step_ms sizes prompt chunks: it needs enable_chunked_prefill.")
         if self.max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

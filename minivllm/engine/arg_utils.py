@@ -76,6 +76,10 @@ class EngineArgs:
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
     """Most prompts a step may leave prefilled in part (with long_prefill_token_threshold, more
     prompts advance side by side)."""
+    max_step_ms: float | None = SchedulerConfig.max_step_ms
+    """Step-time budget in ms: prompt chunks are sized by a cost model the engine fits to its own
+    steps, so that running streams wait at most about this long per token (decodes always run,
+    and each step still advances prompts by at least 16 tokens); default: off (tokens only)."""
     scheduling_policy: str = SchedulerConfig.policy
     """Admission order: fcfs (arrival) or priority (each request's priority, lower first, ties by
     arrival; the lowest priority is preempted first)."""
@@ -141,6 +145,7 @@ class EngineArgs:
             policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
+            max_step_ms=self.max_step_ms,
         )
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),

@@ -95,9 +95,12 @@ class EngineCore:
         """Schedule one batch, run it, and return each request's new tokens and the stats."""
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        # What every running stream waited for: the scheduler's cost model learns from it.
+        self.scheduler.observe_step_time(time.perf_counter() - start)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def get_scheduler_stats(self) -> SchedulerStats:

@@ -75,6 +75,7 @@ class Scenario:
     priorities: list[int] | None = None  # per request, under the priority policy
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    max_step_ms: float | None = None
 
 
 def _token_run(seed: int, length: int) -> list[int]:
@@ -158,6 +159,7 @@ def build_scenario(
         priorities=[ints(-2, 2) for _ in range(num_requests)],
         long_prefill_token_threshold=ints(1, 64) if enable_chunked_prefill and ints(0, 1) else 0,
         max_num_partial_prefills=ints(1, 3),
+        max_step_ms=ints(1, 30) if enable_chunked_prefill and ints(0, 1) else None,
     )
 
 
@@ -194,6 +196,7 @@ def run_scenario(sc: Scenario) -> ScenarioRun:
         scheduling_policy=sc.scheduling_policy,
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
         max_num_partial_prefills=sc.max_num_partial_prefills,
+        max_step_ms=sc.max_step_ms,
     )
     specs = {str(i): spec for i, spec in enumerate(sc.requests)}
     requests = {}

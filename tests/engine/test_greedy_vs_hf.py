@@ -41,9 +41,10 @@ def generate_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int],
 
 ENGINE_VARIANTS = {
     "default": {},
-    # Chunks cut by the budget and by the per-request cap, two prompts advancing side by side,
-    # decodes scheduled before them.
-    "chunked_prefill": {"max_num_batched_tokens": 48, "long_prefill_token_threshold": 20, "max_num_partial_prefills": 2},
+    # Chunks cut by the budget, by the per-request cap and by a 3 ms step-time budget (once the
+    # cost model has seen its first steps), two prompts advancing side by side, decodes first.
+    "chunked_prefill": {"max_num_batched_tokens": 48, "long_prefill_token_threshold": 20,
+                        "max_num_partial_prefills": 2, "max_step_ms": 3},
     "max_num_seqs_1": {"max_num_seqs": 1},
     # 30 usable blocks of 16 tokens: every request fits alone (max_model_len 400), all together
     # do not, so running requests must be preempted and recomputed.

@@ -38,6 +38,7 @@ from minivllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from minivllm.core.request import FinishReason, Request, RequestStatus
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.scheduler import Scheduler
+from minivllm.core.sched.step_cost import StepShape
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import cdiv
 
@@ -106,6 +107,7 @@ def create_scheduler(
     scheduling_policy: str = "fcfs",
     long_prefill_token_threshold: int = 0,
     max_num_partial_prefills: int = 1,
+    max_step_ms: float | None = None,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
     `num_kv_cache_groups` KV cache groups.
@@ -123,6 +125,7 @@ def create_scheduler(
         policy=scheduling_policy,
         long_prefill_token_threshold=long_prefill_token_threshold,
         max_num_partial_prefills=max_num_partial_prefills,
+        max_step_ms=max_step_ms,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -618,11 +621,18 @@ class RunResult:
     num_steps: int = 0
 
 
+def fake_step_seconds(shape: StepShape) -> float:
+    """A fake clock for the step cost model: 1 ms a step, 0.1 ms a token, 1 ns an attention pair."""
+    return 1e-3 + 1e-4 * shape.num_tokens + 1e-9 * shape.num_attention_pairs
+
+
 def step(
-    scheduler: Scheduler, worker: FakeWorker, result: RunResult | None = None
+    scheduler: Scheduler, worker: FakeWorker, result: RunResult | None = None,
+    step_seconds: Callable[[StepShape], float] = fake_step_seconds,
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One engine step with every invariant checked: schedule -> worker -> update, then the
-    worker's drafts go to the requests still running (what EngineCore will do)."""
+    """One engine step with every invariant checked: schedule -> worker -> update (the step
+    timed by `step_seconds`), then the worker's drafts go to the requests still running (what
+    EngineCore will do)."""
     decoding = [r.request_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens <= 1]
     so = scheduler.schedule()
     check_invariants(scheduler, so, worker.max_num_draft_tokens)
@@ -634,6 +644,7 @@ def step(
         assert so.total_num_scheduled_tokens > 0, "no progress although requests are unfinished"
     mro = worker.execute_model(so, scheduler)
     outs = scheduler.update_from_output(so, mro)
+    scheduler.observe_step_time(step_seconds(scheduler._scheduled_shape))
     for req_id, drafts in worker.draft_token_ids.items():
         request = scheduler.requests.get(req_id)
         if request is not None and request.status == RequestStatus.RUNNING:

@@ -20,6 +20,7 @@ the computed draft tokens that were rejected.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.config import SchedulingPolicy
@@ -28,11 +29,53 @@ from minivllm.core.outputs import EngineCoreOutput, LogprobsArrays, SchedulerSta
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
+from minivllm.core.sched.step_cost import StepCostModel, StepShape
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
     from minivllm.core.kv_cache_interface import KVCacheConfig
     from minivllm.core.outputs import ModelRunnerOutput
+
+
+# Prompt tokens a step takes even when the step-time budget has no room left for them.
+MIN_PREFILL_CHUNK = 16
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() has handed out so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    shape: StepShape = field(default_factory=StepShape)
+    num_prefill_tokens: int = 0
+    num_partial: int = 0  # prompts this step leaves unfinished
+
+    def add(self, request: Request, num_computed: int, num_new_tokens: int, blocks: tuple[list[int], ...]) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.new_block_ids[request.request_id] = blocks
+        self.token_budget -= num_new_tokens
+        self.shape.add(num_computed, num_new_tokens)
+        if num_computed + num_new_tokens < request.num_tokens:
+            self.num_partial += 1
+        if request.num_tokens - num_computed > 1:
+            self.num_prefill_tokens += num_new_tokens
+
+    def take_back(self, request: Request) -> None:
+        """Undo add() for a request preempted later in the same step (its num_computed_tokens
+        has not moved yet)."""
+        num_computed = request.num_computed_tokens
+        num_new_tokens = self.num_scheduled_tokens.pop(request.request_id)
+        del self.new_block_ids[request.request_id]
+        self.scheduled_spec_decode_tokens.pop(request.request_id, None)
+        self.token_budget += num_new_tokens
+        self.shape.add(num_computed, num_new_tokens, sign=-1)
+        if num_computed + num_new_tokens < request.num_tokens:
+            self.num_partial -= 1
+        if request.num_tokens - num_computed > 1:
+            self.num_prefill_tokens -= num_new_tokens
 
 
 class Scheduler:
@@ -52,6 +95,9 @@ class Scheduler:
         self.policy = SchedulingPolicy.parse(scheduler_config.policy)
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
+        self.max_step_s = scheduler_config.max_step_ms / 1000 if scheduler_config.max_step_ms else None
+        self.step_cost = StepCostModel()
+        self._scheduled_shape = StepShape()
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -117,69 +163,58 @@ class Scheduler:
     # ---- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}
-        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        scheduled_running, preempted, num_partial = self._schedule_running(
-            token_budget, num_scheduled_tokens, new_block_ids, scheduled_spec_decode_tokens
-        )
-        token_budget -= sum(num_scheduled_tokens.values())
+        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens)
+        scheduled_running, preempted = self._schedule_running(plan)
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         if not preempted:
             # NOTE: after a preemption the cache is full; admitting more would only thrash.
-            scheduled_new, scheduled_resumed = self._schedule_waiting(
-                token_budget, num_scheduled_tokens, new_block_ids, num_partial
-            )
+            scheduled_new, scheduled_resumed = self._schedule_waiting(plan)
         output = self._make_output(
-            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
-            new_block_ids, scheduled_spec_decode_tokens, preempted,
+            scheduled_new, scheduled_resumed, scheduled_running, plan.num_scheduled_tokens,
+            plan.new_block_ids, plan.scheduled_spec_decode_tokens, preempted,
         )
-        for req_id, num_tokens in num_scheduled_tokens.items():
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.num_computed_tokens_total += output.total_num_scheduled_tokens
+        self._scheduled_shape = plan.shape
         return output
 
-    def _schedule_running(
-        self,
-        token_budget: int,
-        num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, tuple[list[int], ...]],
-        scheduled_spec_decode_tokens: dict[str, list[int]],
-    ) -> tuple[list[Request], list[Request], int]:
+    def observe_step_time(self, seconds: float) -> None:
+        """The measured time of the step last scheduled: the cost model learns from it."""
+        self.step_cost.observe(self._scheduled_shape, seconds)
+
+    def _schedule_running(self, plan: _StepPlan) -> tuple[list[Request], list[Request]]:
         """Give each running request its next chunk (or decode token and draft tokens),
         preempting on OOM. Decodes go first: a stream never waits a step behind a prompt that
-        is still being prefilled; prefill chunks share what is left of the budget, each at most
-        long_prefill_token_threshold tokens, at most max_num_partial_prefills of them left
-        unfinished by the step (returned: how many were)."""
+        is still being prefilled; prefill chunks share what is left of the budget."""
         scheduled: list[Request] = []
         preempted: list[Request] = []
-        num_partial = 0
         # Stable: admission order within the decodes and within the prefills.
         for request in sorted(self.running, key=self._is_prefilling):
-            if token_budget <= 0:
+            if plan.token_budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new_tokens = self._cap_chunk(min(
+            num_new_tokens = min(
                 request.num_tokens_with_spec - request.num_computed_tokens,
-                token_budget,
+                plan.token_budget,
                 # NOTE: draft tokens never take a request past max_model_len (known tokens
                 # never do), so one request never needs more blocks than the cache holds.
                 self.max_model_len - request.num_computed_tokens,
-            ))
-            partial = request.num_computed_tokens + num_new_tokens < request.num_tokens
-            if partial and num_partial >= self.max_num_partial_prefills:
-                continue
+            )
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:  # fewer drafts, for a decode
+                num_new_tokens = self.long_prefill_token_threshold
+            if self._is_prefilling(request):
+                num_new_tokens = self._size_chunk(plan, request, request.num_computed_tokens, num_new_tokens)
+                if num_new_tokens == 0:
+                    continue
             while (blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
                 victim = self._choose_victim()
                 self.running.remove(victim)
-                if victim.request_id in num_scheduled_tokens:  # scheduled earlier in this step
+                if victim.request_id in plan.num_scheduled_tokens:  # scheduled earlier in this step
                     scheduled.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    del new_block_ids[victim.request_id]
-                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                    plan.take_back(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -187,14 +222,11 @@ class Scheduler:
             if blocks is None:
                 # It preempted itself; the requests after it may fit in the blocks it left.
                 continue
-            num_partial += partial
             scheduled.append(request)
             if request.spec_token_ids:
-                self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
-            new_block_ids[request.request_id] = blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-        return scheduled, preempted, num_partial
+                self._schedule_spec_tokens(request, num_new_tokens, plan.scheduled_spec_decode_tokens)
+            plan.add(request, request.num_computed_tokens, num_new_tokens, blocks)
+        return scheduled, preempted
 
     @staticmethod
     def _is_prefilling(request: Request) -> bool:
@@ -202,11 +234,32 @@ class Scheduler:
         a recomputation) in progress, not a decode."""
         return request.num_tokens - request.num_computed_tokens > 1
 
-    def _cap_chunk(self, num_new_tokens: int) -> int:
-        """vLLM's long_prefill_token_threshold: no request takes more tokens in one step (0: off)."""
-        if 0 < self.long_prefill_token_threshold < num_new_tokens:
-            return self.long_prefill_token_threshold
+    def _size_chunk(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """A prefill chunk's tokens (0: none this step): at most long_prefill_token_threshold;
+        what the step-time budget leaves room for, by the cost model (a step with no prefill
+        yet still takes MIN_PREFILL_CHUNK tokens, so prompts advance even when decodes alone
+        fill the budget); and a chunk that leaves its prompt unfinished only while fewer than
+        max_num_partial_prefills have."""
+        num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold or num_new_tokens)
+        if self.max_step_s is not None and self.step_cost.ready:
+            fits = self._largest_chunk_within(self.max_step_s, plan.shape, num_computed, num_new_tokens)
+            floor = min(num_new_tokens, MIN_PREFILL_CHUNK) if plan.num_prefill_tokens == 0 else 0
+            num_new_tokens = max(fits, floor)
+        partial = num_computed + num_new_tokens < request.num_tokens
+        if partial and plan.num_partial >= self.max_num_partial_prefills:
+            return 0
         return num_new_tokens
+
+    def _largest_chunk_within(self, seconds: float, shape: StepShape, num_computed: int, num_new_tokens: int) -> int:
+        """Binary search on the predicted step time, which grows with the chunk."""
+        lo, hi = 0, num_new_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.step_cost.predict(shape.with_chunk(num_computed, mid)) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @staticmethod
     def _schedule_spec_tokens(
@@ -220,27 +273,20 @@ class Scheduler:
         if num_spec_tokens > 0:
             scheduled_spec_decode_tokens[request.request_id] = spec_token_ids[:num_spec_tokens]
 
-    def _schedule_waiting(
-        self,
-        token_budget: int,
-        num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, tuple[list[int], ...]],
-        num_partial: int,
-    ) -> tuple[list[Request], list[Request]]:
-        """Admit waiting requests in the policy's order while budget, seats and blocks allow,
-        and while prompts left unfinished by the step stay within max_num_partial_prefills."""
+    def _schedule_waiting(self, plan: _StepPlan) -> tuple[list[Request], list[Request]]:
+        """Admit waiting requests in the policy's order while budget, seats and blocks allow
+        (each first chunk sized as a running prefill's)."""
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
-        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting.peek_request()
             # Prefix cache: new and preempted requests start from what is already computed.
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
-            if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+            if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
-            num_new_tokens = self._cap_chunk(min(num_new_tokens, token_budget))
-            partial = num_computed + num_new_tokens < request.num_tokens
-            if partial and num_partial >= self.max_num_partial_prefills:
+            num_new_tokens = self._size_chunk(plan, request, num_computed, min(num_new_tokens, plan.token_budget))
+            if num_new_tokens == 0:
                 break
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
             if blocks is None:
@@ -255,10 +301,7 @@ class Scheduler:
             self.kv_cache_manager.record_admission(request, num_computed)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
-            new_block_ids[request.request_id] = blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            num_partial += partial
+            plan.add(request, num_computed, num_new_tokens, blocks)
         return scheduled_new, scheduled_resumed
 
     def _choose_victim(self) -> Request:

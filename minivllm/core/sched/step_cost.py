@@ -1,0 +1,119 @@
+"""What a step costs, learned from the engine's own steps, so the scheduler can bound step time.
+
+A step's time is close to linear in four things: a fixed part (launching the forward, the
+scheduler, output handling), its tokens (every weight multiplies every token), its requests
+(a sampled row each: the lm_head and the sampler) and its attention pairs (each new token
+attends to every earlier token of its request). The model keeps the last WINDOW measured steps
+and refits non-negative weights every REFIT_EVERY steps; until MIN_OBSERVATIONS steps are seen it
+is not ready and the scheduler uses only its token budget.
+
+Plain Python (four features: a 4x4 solve), so that the engine core imports no numpy or torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+NUM_FEATURES = 4
+
+
+@dataclass
+class StepShape:
+    num_tokens: int = 0
+    num_reqs: int = 0
+    num_attention_pairs: int = 0
+
+    def add(self, num_computed: int, num_new: int, sign: int = 1) -> None:
+        """A request computing `num_new` tokens after `num_computed` (sign -1: take it back)."""
+        self.num_tokens += sign * num_new
+        self.num_reqs += sign
+        # Token i of the chunk attends to num_computed + i + 1 keys.
+        self.num_attention_pairs += sign * (num_new * num_computed + num_new * (num_new + 1) // 2)
+
+    def with_chunk(self, num_computed: int, num_new: int) -> StepShape:
+        shape = StepShape(self.num_tokens, self.num_reqs, self.num_attention_pairs)
+        shape.add(num_computed, num_new)
+        return shape
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.num_tokens), float(self.num_reqs), float(self.num_attention_pairs))
+
+
+class StepCostModel:
+    WINDOW = 512
+    REFIT_EVERY = 16
+    MIN_OBSERVATIONS = 16
+
+    def __init__(self) -> None:
+        self._features: deque[tuple[float, ...]] = deque(maxlen=self.WINDOW)
+        self._seconds: deque[float] = deque(maxlen=self.WINDOW)
+        self._since_fit = 0
+        self.weights: list[float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.weights is not None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.num_tokens == 0 or seconds <= 0:
+            return
+        self._features.append(shape.features())
+        self._seconds.append(seconds)
+        self._since_fit += 1
+        if len(self._seconds) >= self.MIN_OBSERVATIONS and (self.weights is None or self._since_fit >= self.REFIT_EVERY):
+            self._fit()
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds; only when ready."""
+        assert self.weights is not None
+        return sum(w * f for w, f in zip(self.weights, shape.features(), strict=True))
+
+    def _fit(self) -> None:
+        """Least squares of the relative error (each step weighs 1/its time: a decode step of
+        10 ms matters as much as a prefill of 1 s), every weight >= 0: a feature that would get
+        a negative weight is left out and the rest refitted (four features, at most four
+        passes). Columns are scaled to their largest value first: attention pairs run to
+        millions, the constant is 1."""
+        xs, ys = list(self._features), list(self._seconds)
+        scale = [max(max(abs(x[j]) for x in xs), 1e-12) for j in range(NUM_FEATURES)]
+        rows = [[x[j] / scale[j] / y for j in range(NUM_FEATURES)] for x, y in zip(xs, ys, strict=True)]
+        ys = [1.0] * len(ys)
+        active = list(range(NUM_FEATURES))
+        weights = [0.0] * NUM_FEATURES
+        while active:
+            gram = [[sum(r[i] * r[j] for r in rows) for j in active] for i in active]
+            rhs = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in active]
+            solution = _solve(gram, rhs)
+            if solution is not None and all(w >= 0 for w in solution):
+                for i, w in zip(active, solution, strict=True):
+                    weights[i] = w / scale[i]
+                break
+            if solution is None:  # a feature that never varied: drop the last one
+                active.pop()
+            else:
+                active = [i for i, w in zip(active, solution, strict=True) if w >= 0]
+        self.weights = weights
+        self._since_fit = 0
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting, with a small ridge (the columns are scaled to
+    at most 1, so 1e-9 only matters for a singular system); None if still singular."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
+    for i in range(n):
+        m[i][i] += 1e-9
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][c] * x[c] for c in range(i + 1, n))) / m[i][i]
+    return x

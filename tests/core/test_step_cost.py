@@ -66,7 +66,7 @@ def test_weights_stay_non_negative():
 
 def timed_step(scheduler, worker):
     so, _ = step(scheduler, worker, step_seconds=formula)
-    return so, formula(scheduler._scheduled_shape)
+    return so, formula(scheduler.last_step_shape)
 
 
 def test_budget_sizes_prompt_chunks_and_decodes_run_every_step():

@@ -644,7 +644,7 @@ def step(
         assert so.total_num_scheduled_tokens > 0, "no progress although requests are unfinished"
     mro = worker.execute_model(so, scheduler)
     outs = scheduler.update_from_output(so, mro)
-    scheduler.observe_step_time(step_seconds(scheduler._scheduled_shape))
+    scheduler.observe_step_time(step_seconds(scheduler.last_step_shape))
     for req_id, drafts in worker.draft_token_ids.items():
         request = scheduler.requests.get(req_id)
         if request is not None and request.status == RequestStatus.RUNNING:

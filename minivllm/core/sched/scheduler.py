@@ -41,6 +41,16 @@ if TYPE_CHECKING:
 MIN_PREFILL_CHUNK = 16
 
 
+def _is_prefill(request: Request, num_computed: int) -> bool:
+    """More than the last known token still to compute: a prompt (or, after a preemption, a
+    recomputation) in progress, not a decode."""
+    return request.num_tokens - num_computed > 1
+
+
+def _leaves_prompt_unfinished(request: Request, num_computed: int, num_new_tokens: int) -> bool:
+    return num_computed + num_new_tokens < request.num_tokens
+
+
 @dataclass
 class _StepPlan:
     """What one schedule() has handed out so far."""
@@ -56,26 +66,23 @@ class _StepPlan:
     def add(self, request: Request, num_computed: int, num_new_tokens: int, blocks: tuple[list[int], ...]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new_tokens
         self.new_block_ids[request.request_id] = blocks
-        self.token_budget -= num_new_tokens
-        self.shape.add(num_computed, num_new_tokens)
-        if num_computed + num_new_tokens < request.num_tokens:
-            self.num_partial += 1
-        if request.num_tokens - num_computed > 1:
-            self.num_prefill_tokens += num_new_tokens
+        self._tally(request, num_computed, num_new_tokens, 1)
 
     def take_back(self, request: Request) -> None:
         """Undo add() for a request preempted later in the same step (its num_computed_tokens
         has not moved yet)."""
-        num_computed = request.num_computed_tokens
         num_new_tokens = self.num_scheduled_tokens.pop(request.request_id)
         del self.new_block_ids[request.request_id]
         self.scheduled_spec_decode_tokens.pop(request.request_id, None)
-        self.token_budget += num_new_tokens
-        self.shape.add(num_computed, num_new_tokens, sign=-1)
-        if num_computed + num_new_tokens < request.num_tokens:
-            self.num_partial -= 1
-        if request.num_tokens - num_computed > 1:
-            self.num_prefill_tokens -= num_new_tokens
+        self._tally(request, request.num_computed_tokens, num_new_tokens, -1)
+
+    def _tally(self, request: Request, num_computed: int, num_new_tokens: int, sign: int) -> None:
+        self.token_budget -= sign * num_new_tokens
+        self.shape.add(num_computed, num_new_tokens, sign)
+        if _leaves_prompt_unfinished(request, num_computed, num_new_tokens):
+            self.num_partial += sign
+        if _is_prefill(request, num_computed):
+            self.num_prefill_tokens += sign * num_new_tokens
 
 
 class Scheduler:
@@ -97,7 +104,7 @@ class Scheduler:
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.max_step_s = scheduler_config.max_step_ms / 1000 if scheduler_config.max_step_ms else None
         self.step_cost = StepCostModel()
-        self._scheduled_shape = StepShape()
+        self.last_step_shape = StepShape()  # of the step last scheduled, for its timing
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -177,12 +184,12 @@ class Scheduler:
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.num_computed_tokens_total += output.total_num_scheduled_tokens
-        self._scheduled_shape = plan.shape
+        self.last_step_shape = plan.shape
         return output
 
     def observe_step_time(self, seconds: float) -> None:
         """The measured time of the step last scheduled: the cost model learns from it."""
-        self.step_cost.observe(self._scheduled_shape, seconds)
+        self.step_cost.observe(self.last_step_shape, seconds)
 
     def _schedule_running(self, plan: _StepPlan) -> tuple[list[Request], list[Request]]:
         """Give each running request its next chunk (or decode token and draft tokens),
@@ -191,7 +198,7 @@ class Scheduler:
         scheduled: list[Request] = []
         preempted: list[Request] = []
         # Stable: admission order within the decodes and within the prefills.
-        for request in sorted(self.running, key=self._is_prefilling):
+        for request in sorted(self.running, key=lambda r: _is_prefill(r, r.num_computed_tokens)):
             if plan.token_budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -203,9 +210,8 @@ class Scheduler:
                 # never do), so one request never needs more blocks than the cache holds.
                 self.max_model_len - request.num_computed_tokens,
             )
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:  # fewer drafts, for a decode
-                num_new_tokens = self.long_prefill_token_threshold
-            if self._is_prefilling(request):
+            num_new_tokens = self._cap_chunk(num_new_tokens)  # for a decode: fewer drafts
+            if _is_prefill(request, request.num_computed_tokens):
                 num_new_tokens = self._size_chunk(plan, request, request.num_computed_tokens, num_new_tokens)
                 if num_new_tokens == 0:
                     continue
@@ -228,26 +234,25 @@ class Scheduler:
             plan.add(request, request.num_computed_tokens, num_new_tokens, blocks)
         return scheduled, preempted
 
-    @staticmethod
-    def _is_prefilling(request: Request) -> bool:
-        """More than the last known token still to compute: a prompt (or, after a preemption,
-        a recomputation) in progress, not a decode."""
-        return request.num_tokens - request.num_computed_tokens > 1
-
     def _size_chunk(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> int:
-        """A prefill chunk's tokens (0: none this step): at most long_prefill_token_threshold;
-        what the step-time budget leaves room for, by the cost model (a step with no prefill
-        yet still takes MIN_PREFILL_CHUNK tokens, so prompts advance even when decodes alone
-        fill the budget); and a chunk that leaves its prompt unfinished only while fewer than
-        max_num_partial_prefills have."""
-        num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold or num_new_tokens)
+        """A prefill chunk's tokens (0: none this step), from at most `num_new_tokens` (already
+        within the budget and long_prefill_token_threshold): what the step-time budget leaves room
+        for, by the cost model (a step with no prefill yet still takes MIN_PREFILL_CHUNK tokens,
+        so prompts advance even when decodes alone fill the budget); and a chunk that leaves its
+        prompt unfinished only while fewer than max_num_partial_prefills have."""
         if self.max_step_s is not None and self.step_cost.ready:
             fits = self._largest_chunk_within(self.max_step_s, plan.shape, num_computed, num_new_tokens)
             floor = min(num_new_tokens, MIN_PREFILL_CHUNK) if plan.num_prefill_tokens == 0 else 0
             num_new_tokens = max(fits, floor)
-        partial = num_computed + num_new_tokens < request.num_tokens
-        if partial and plan.num_partial >= self.max_num_partial_prefills:
+        if (_leaves_prompt_unfinished(request, num_computed, num_new_tokens)
+                and plan.num_partial >= self.max_num_partial_prefills):
             return 0
+        return num_new_tokens
+
+    def _cap_chunk(self, num_new_tokens: int) -> int:
+        """vLLM's long_prefill_token_threshold: no request takes more tokens in a step (0: off)."""
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            return self.long_prefill_token_threshold
         return num_new_tokens
 
     def _largest_chunk_within(self, seconds: float, shape: StepShape, num_computed: int, num_new_tokens: int) -> int:
@@ -285,7 +290,8 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
-            num_new_tokens = self._size_chunk(plan, request, num_computed, min(num_new_tokens, plan.token_budget))
+            num_new_tokens = self._size_chunk(plan, request, num_computed,
+                                              self._cap_chunk(min(num_new_tokens, plan.token_budget)))
             if num_new_tokens == 0:
                 break
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)

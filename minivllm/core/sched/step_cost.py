@@ -77,13 +77,13 @@ class StepCostModel:
         millions, the constant is 1."""
         xs, ys = list(self._features), list(self._seconds)
         scale = [max(max(abs(x[j]) for x in xs), 1e-12) for j in range(NUM_FEATURES)]
+        # Divided by its time, each step's target is 1.
         rows = [[x[j] / scale[j] / y for j in range(NUM_FEATURES)] for x, y in zip(xs, ys, strict=True)]
-        ys = [1.0] * len(ys)
         active = list(range(NUM_FEATURES))
         weights = [0.0] * NUM_FEATURES
         while active:
             gram = [[sum(r[i] * r[j] for r in rows) for j in active] for i in active]
-            rhs = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in active]
+            rhs = [sum(r[i] for r in rows) for i in active]
             solution = _solve(gram, rhs)
             if solution is not None and all(w >= 0 for w in solution):
                 for i, w in zip(active, solution, strict=True):

@@ -113,6 +113,23 @@ class SchedulingPolicy(enum.Enum):
             raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in cls)}, got {name!r}.") from None
 
 
+def default_max_step_ms(device: str, serving: bool) -> float | None:
+    """The step-time budget when none is given (None: off).
+
+    Serving on CPU: 250 ms. A CPU step runs ~0.6 ms per prompt token for a 135M model on two
+    cores, so an 8192-token step of prompts stalls every stream for seconds; 250 ms caps those
+    stalls, StepBudget's sustained bound keeps streams at a token per 150 ms or better while
+    prompts keep coming, the output throughput stays the same, and a prompt of ~300 tokens
+    still finishes in one step (a smaller budget splits it and delays its first token; the
+    measurements behind the choice are in docs/PERFORMANCE.md).
+    On CUDA: off. A GPU step of max_num_batched_tokens runs in tens of milliseconds, so the token
+    budget already bounds the stall, and a time budget would only shrink chunks below what fills
+    the GPU. Offline (LLM, LLMEngine, the bench throughput/latency commands): off; a batch job
+    wants throughput and no stream is waiting.
+    """
+    return 250.0 if serving and device == "cpu" else None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset
+from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset, random_requests
 from minivllm.bench.metrics import RequestTrace, parse_goodput, summarize
 from minivllm.bench.utils import plot_cdfs, write_json
 
@@ -34,6 +34,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="Gamma shape of the arrival gaps: 1 is Poisson, lower is burstier.")
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--burst-num-prompts", type=int, default=0,
+                        help="Also send this many random prompts all at once, --burst-delay seconds in: long "
+                             "prompts arriving while the others decode (how much do running streams stall?).")
+    parser.add_argument("--burst-input-len", type=int, default=1000)
+    parser.add_argument("--burst-output-len", type=int, default=32)
+    parser.add_argument("--burst-delay", type=float, default=5.0,
+                        help="Seconds after the first request is sent.")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000.")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -108,7 +115,25 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarra
     return np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n)
 
 
-async def run(args: argparse.Namespace, url: str, model: str, requests: list[SampleRequest]) -> tuple[list[RequestTrace], float]:
+def send_times(args: argparse.Namespace, num_requests: int, num_burst: int) -> list[float]:
+    """Seconds from the start at which each request goes out: the dataset's requests at the
+    arrival rate, then the burst's all at --burst-delay."""
+    times = np.cumsum(arrival_gaps(num_requests, args.request_rate, args.burstiness, args.seed))
+    return [*times.tolist(), *[args.burst_delay] * num_burst]
+
+
+def burst_requests(args: argparse.Namespace, vocab_size: int) -> list[SampleRequest]:
+    if args.burst_num_prompts < 0 or args.burst_input_len < 1 or args.burst_output_len < 1 or args.burst_delay < 0:
+        raise ValueError("Need --burst-num-prompts >= 0, --burst-input-len and --burst-output-len >= 1, "
+                         "--burst-delay >= 0.")
+    # A seed of its own: the burst's prompts share no prefix with the dataset's.
+    return random_requests(args.burst_num_prompts, args.burst_input_len, args.burst_output_len, vocab_size,
+                           seed=args.seed + 1)
+
+
+async def run(args: argparse.Namespace, url: str, model: str, requests: list[SampleRequest],
+              times: list[float]) -> tuple[list[RequestTrace], float]:
+    """Send each request at its time (seconds from the start); traces in the order of `requests`."""
     import aiohttp
     from tqdm.auto import tqdm
 
@@ -125,36 +150,81 @@ async def run(args: argparse.Namespace, url: str, model: str, requests: list[Sam
             return trace
 
         start = time.perf_counter()
-        tasks = []
-        for sample, gap in zip(requests, arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed),
-                               strict=True):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(sample)))
-        traces = await asyncio.gather(*tasks)
+        tasks: dict[int, asyncio.Task[RequestTrace]] = {}
+        for i in sorted(range(len(requests)), key=times.__getitem__):
+            await asyncio.sleep(max(0.0, start + times[i] - time.perf_counter()))
+            tasks[i] = asyncio.create_task(one(requests[i]))
+        traces = await asyncio.gather(*(tasks[i] for i in range(len(requests))))
         duration = time.perf_counter() - start
     bar.close()
     return list(traces), duration
 
 
-async def server_info(url: str, model: str | None, api_key: str | None) -> tuple[str, str | None, float | None]:
-    """The model to ask for, its local path (for the tokenizer) and the engine's start-up time,
-    from /v1/models and /metrics."""
+async def server_info(url: str, model: str | None, api_key: str | None) -> tuple[str, str | None]:
+    """The model to ask for and its local path (for the tokenizer), from /v1/models."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession() as session:
         async with session.get(url + "/v1/models", headers=headers) as response:
             cards = (await response.json())["data"]
-        card = next((c for c in cards if model is None or c["id"] == model), cards[0])
-        startup = None
-        try:
-            async with session.get(url + "/metrics") as response:
-                for line in (await response.text()).splitlines():
-                    if line.startswith("minivllm:engine_startup_seconds"):
-                        startup = float(line.split()[-1])
-        except aiohttp.ClientError:
-            pass
-    return model or card["id"], card.get("root"), startup
+    card = next((c for c in cards if model is None or c["id"] == model), cards[0])
+    return model or card["id"], card.get("root")
+
+
+async def scrape_metrics(url: str) -> dict[tuple[str, str], float]:
+    """The server's /metrics samples as {(name, le): value} (le "" where none); empty when the
+    server has none (not every OpenAI-compatible server does)."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    return {(sample.name, sample.labels.get("le", "")): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def engine_step_report(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, Any]:
+    """The engine's steps during the run, from minivllm's /metrics: how many, their total time
+    (the engine's work, apart from idle waits), how long (bucket bounds of the step-time
+    histogram), how many overran --max-step-ms, and how close the step cost model's predictions
+    came. Empty for servers without those metrics."""
+    def delta(name: str, le: str = "") -> float:
+        return after.get((name, le), 0.0) - before.get((name, le), 0.0)
+
+    steps = delta("minivllm:engine_step_seconds_count")
+    if (("minivllm:engine_step_seconds_count", "") not in after) or steps <= 0:
+        return {}
+
+    def quantile_bound(name: str, q: float) -> float:
+        """The smallest bucket bound with at least a q share of the run's observations under it."""
+        total = delta(f"{name}_count")
+        bounds = sorted(float(le) for (n, le) in after if n == f"{name}_bucket")
+        return next(b for b in bounds if delta(f"{name}_bucket", _le(b)) >= q * total)
+
+    report: dict[str, Any] = {
+        "engine_steps": int(steps),
+        "engine_busy_s": delta("minivllm:engine_step_seconds_sum"),
+        "engine_step_p50_ms_at_most": 1000 * quantile_bound("minivllm:engine_step_seconds", 0.5),
+        "engine_step_p99_ms_at_most": 1000 * quantile_bound("minivllm:engine_step_seconds", 0.99),
+        "steps_over_budget": int(delta("minivllm:steps_over_budget_total")),
+    }
+    predicted = delta("minivllm:step_cost_relative_error_count")
+    if predicted > 0:
+        error = "minivllm:step_cost_relative_error"
+        report |= {
+            "step_cost_error_mean": delta(f"{error}_sum") / predicted,
+            "step_cost_within_10pct": delta(f"{error}_bucket", "0.1") / predicted,
+            "step_cost_within_25pct": delta(f"{error}_bucket", "0.25") / predicted,
+        }
+    return report
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else str(bound)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -162,19 +232,25 @@ def main(args: argparse.Namespace) -> None:
 
     url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     slos = parse_goodput(args.goodput)
-    model, root, startup = asyncio.run(server_info(url, args.model, args.api_key))
+    model, root = asyncio.run(server_info(url, args.model, args.api_key))
     tokenizer_path = args.tokenizer or (root if root and os.path.exists(root) else None)
     if tokenizer_path is None:
         raise ValueError("Give --tokenizer: the server does not report a local model path.")
     tokenizer = get_tokenizer(tokenizer_path)
     requests = build_dataset(args, tokenizer, len(tokenizer))
+    times = send_times(args, len(requests), args.burst_num_prompts)
+    requests += burst_requests(args, len(tokenizer))
     if args.endpoint.endswith("chat/completions"):
         for r in requests:
             r.prompt = r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
-    traces, duration = asyncio.run(run(args, url, model, requests))
-    result = summarize(traces, duration, slos) | {
+    metrics_before = asyncio.run(scrape_metrics(url))
+    traces, duration = asyncio.run(run(args, url, model, requests, times))
+    steps = engine_step_report(metrics_before, asyncio.run(scrape_metrics(url)))
+    startup = metrics_before.get(("minivllm:engine_startup_seconds", ""))
+    result = summarize(traces, duration, slos) | steps | {
         "model": model, "endpoint": args.endpoint, "request_rate": args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_prompts": len(requests),
+        "burst_num_prompts": args.burst_num_prompts,
         "engine_startup_time": startup,
         "input_lens": [t.prompt_len for t in traces], "output_lens": [t.output_tokens for t in traces],
         "ttfts": [t.ttft for t in traces], "e2els": [t.latency for t in traces],
@@ -208,6 +284,20 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append(("Request goodput (req/s)", f"{r['request_goodput']:.2f}"))
     if r.get("engine_startup_time") is not None:
         rows.append(("Engine start-up (s)", f"{r['engine_startup_time']:.2f}"))
+    if "engine_steps" in r:
+        rows += [
+            ("Engine steps", r["engine_steps"]),
+            ("Engine busy in steps (s)", f"{r['engine_busy_s']:.2f}"),
+            ("Engine step p50 / p99 (ms, at most)",
+             f"{r['engine_step_p50_ms_at_most']:g} / {r['engine_step_p99_ms_at_most']:g}"),
+            ("Steps over --max-step-ms", r["steps_over_budget"]),
+        ]
+    if "step_cost_error_mean" in r:
+        rows += [
+            ("Step cost model mean |error| (%)", f"{100 * r['step_cost_error_mean']:.1f}"),
+            ("Steps predicted within 10% / 25% (%)",
+             f"{100 * r['step_cost_within_10pct']:.0f} / {100 * r['step_cost_within_25pct']:.0f}"),
+        ]
     for name in args.percentile_metrics.split(","):
         rows += [(f"{stat.capitalize()} {name.upper()} (ms)", f"{r[f'{stat}_{name}_ms']:.2f}")
                  for stat in ("mean", "median", "std", "p90", "p99")]

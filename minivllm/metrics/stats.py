@@ -4,11 +4,10 @@ the server's /metrics."""
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-from minivllm.core.outputs import SchedulerStats
+from minivllm.core.outputs import Histogram, SchedulerStats
 from minivllm.outputs import RequestMetrics
 
 # Upper bounds in seconds (vLLM's buckets for the same histograms).
@@ -18,30 +17,6 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket, the last one is +Inf
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """(upper bound, observations <= it) pairs, Prometheus style, ending with +Inf."""
-        pairs, running = [], 0
-        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts, strict=True):
-            running += n
-            pairs.append((bound, running))
-        return pairs
 
 
 @dataclass

@@ -159,6 +159,56 @@ def test_serve_max_concurrency(server, tmp_path, monkeypatch):
     check_per_request(result, 8)
 
 
+def test_serve_burst_of_long_prompts_and_the_engine_steps(server, tmp_path, monkeypatch):
+    """--burst-*: long prompts sent together after a delay, while the dataset's requests decode;
+    the report counts the engine's steps during the run (the server's /metrics, before/after)."""
+    sent: list[tuple[float, int]] = []
+    real_send = bench_serve.send_request
+
+    async def recording_send(session, url, endpoint, model, sample, *args, **kwargs):
+        sent.append((time.perf_counter(), sample.prompt_len))
+        return await real_send(session, url, endpoint, model, sample, *args, **kwargs)
+
+    monkeypatch.setattr(bench_serve, "send_request", recording_send)
+    steps_before = server.metric("minivllm:engine_step_seconds_count")
+    over_before = server.metric("minivllm:steps_over_budget_total")
+    result = bench(server, tmp_path / "burst.json", "--num-prompts", "3", "--random-input-len", "16",
+                   "--random-output-len", "40", "--burst-num-prompts", "4", "--burst-input-len", "200",
+                   "--burst-output-len", "4", "--burst-delay", "0.3")
+    steps = server.metric("minivllm:engine_step_seconds_count") - steps_before
+    over = server.metric("minivllm:steps_over_budget_total") - over_before
+    assert result["completed"] == 7 and result["failed"] == 0, result["errors"]
+    assert result["num_prompts"] == 7 and result["burst_num_prompts"] == 4
+    assert result["input_lens"] == [16] * 3 + [200] * 4 and result["output_lens"] == [40] * 3 + [4] * 4
+    first, burst = sent[0][0], [t for t, n in sent if n == 200]
+    assert len(burst) == 4 and all(t - first >= 0.3 for t in burst) and max(burst) - min(burst) < 0.1
+    # The streams decode 40 tokens: at least 39 steps after their prefill.
+    assert result["engine_steps"] == steps >= 40
+    assert result["steps_over_budget"] == over  # the server's default budget: 250 ms on CPU
+    assert 0 < result["engine_busy_s"] <= result["duration"]
+    assert result["engine_step_p50_ms_at_most"] <= result["engine_step_p99_ms_at_most"]
+    assert 0 <= result["step_cost_within_10pct"] <= result["step_cost_within_25pct"] <= 1
+    assert result["step_cost_error_mean"] >= 0
+
+
+def test_engine_step_report_by_hand():
+    """Bucket deltas between two scrapes: 10 steps in the run, 6 within 50 ms, 9 within 250 ms."""
+    step, error = "minivllm:engine_step_seconds", "minivllm:step_cost_relative_error"
+    before = {(f"{step}_count", ""): 5.0, (f"{step}_bucket", "0.05"): 5.0, (f"{step}_bucket", "0.25"): 5.0,
+              (f"{step}_bucket", "+Inf"): 5.0, (f"{step}_sum", ""): 0.5, ("minivllm:steps_over_budget_total", ""): 1.0}
+    after = {(f"{step}_count", ""): 15.0, (f"{step}_bucket", "0.05"): 11.0, (f"{step}_bucket", "0.25"): 14.0,
+             (f"{step}_bucket", "+Inf"): 15.0, (f"{step}_sum", ""): 2.0, ("minivllm:steps_over_budget_total", ""): 2.0,
+             (f"{error}_count", ""): 8.0, (f"{error}_sum", ""): 0.8, (f"{error}_bucket", "0.1"): 6.0,
+             (f"{error}_bucket", "0.25"): 7.0}
+    report = bench_serve.engine_step_report(before, after)
+    assert report == {
+        "engine_steps": 10, "engine_busy_s": 1.5, "engine_step_p50_ms_at_most": 50.0, "engine_step_p99_ms_at_most": float("inf"),
+        "steps_over_budget": 1, "step_cost_error_mean": pytest.approx(0.1),
+        "step_cost_within_10pct": 0.75, "step_cost_within_25pct": 0.875,
+    }
+    assert bench_serve.engine_step_report({}, {}) == {}  # a server without minivllm's metrics
+
+
 def test_serve_counts_failures_when_server_dies(model, tmp_path):
     """Kill the server mid-run: the client finishes normally and counts what failed."""
     srv = RemoteServer(model, SERVER_ARGS)

@@ -25,11 +25,17 @@ from typing import TYPE_CHECKING
 
 from minivllm.config import SchedulingPolicy
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.outputs import EngineCoreOutput, LogprobsArrays, SchedulerStats
+from minivllm.core.outputs import (
+    STEP_SECONDS_BUCKETS,
+    EngineCoreOutput,
+    Histogram,
+    LogprobsArrays,
+    SchedulerStats,
+)
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
-from minivllm.core.sched.step_cost import StepCostModel, StepShape
+from minivllm.core.sched.step_cost import StepBudget, StepCostModel, StepShape
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
@@ -56,6 +62,7 @@ class _StepPlan:
     """What one schedule() has handed out so far."""
 
     token_budget: int
+    time_allowance_s: float | None  # what the step may be predicted to take (None: no time budget)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -102,8 +109,11 @@ class Scheduler:
         self.policy = SchedulingPolicy.parse(scheduler_config.policy)
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
-        self.max_step_s = scheduler_config.max_step_ms / 1000 if scheduler_config.max_step_ms else None
         self.step_cost = StepCostModel()
+        max_step_ms = scheduler_config.max_step_ms
+        self.step_budget = StepBudget(max_step_ms / 1000) if max_step_ms is not None else None
+        self.step_seconds = Histogram(STEP_SECONDS_BUCKETS)
+        self.num_steps_over_budget = 0
         self.last_step_shape = StepShape()  # of the step last scheduled, for its timing
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -156,6 +166,10 @@ class Scheduler:
             prefix_cache_requests=prefix.requests,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            # Copies: the output thread may still be encoding this snapshot during the next step.
+            step_seconds=self.step_seconds.copy(),
+            step_cost_error=self.step_cost.error.copy(),
+            num_steps_over_budget=self.num_steps_over_budget,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -170,7 +184,8 @@ class Scheduler:
     # ---- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(token_budget=self.max_num_scheduled_tokens)
+        plan = _StepPlan(self.max_num_scheduled_tokens,
+                         self.step_budget.allowance() if self.step_budget and self.step_cost.ready else None)
         scheduled_running, preempted = self._schedule_running(plan)
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
@@ -188,8 +203,14 @@ class Scheduler:
         return output
 
     def observe_step_time(self, seconds: float) -> None:
-        """The measured time of the step last scheduled: the cost model learns from it."""
-        self.step_cost.observe(self.last_step_shape, seconds)
+        """The measured time of the step last scheduled: the cost model and the budget learn
+        from it."""
+        predicted = self.step_cost.observe(self.last_step_shape, seconds)
+        self.step_seconds.observe(seconds)
+        if self.step_budget is not None:
+            self.step_budget.observe(seconds, predicted)
+            if seconds > self.step_budget.max_step_s:
+                self.num_steps_over_budget += 1
 
     def _schedule_running(self, plan: _StepPlan) -> tuple[list[Request], list[Request]]:
         """Give each running request its next chunk (or decode token and draft tokens),
@@ -240,8 +261,8 @@ class Scheduler:
         for, by the cost model (a step with no prefill yet still takes MIN_PREFILL_CHUNK tokens,
         so prompts advance even when decodes alone fill the budget); and a chunk that leaves its
         prompt unfinished only while fewer than max_num_partial_prefills have."""
-        if self.max_step_s is not None and self.step_cost.ready:
-            fits = self._largest_chunk_within(self.max_step_s, plan.shape, num_computed, num_new_tokens)
+        if plan.time_allowance_s is not None:
+            fits = self._largest_chunk_within(plan.time_allowance_s, plan.shape, num_computed, num_new_tokens)
             floor = min(num_new_tokens, MIN_PREFILL_CHUNK) if plan.num_prefill_tokens == 0 else 0
             num_new_tokens = max(fits, floor)
         if (_leaves_prompt_unfinished(request, num_computed, num_new_tokens)

@@ -7,6 +7,8 @@ attends to every earlier token of its request). The model keeps the last WINDOW 
 and refits non-negative weights every REFIT_EVERY steps; until MIN_OBSERVATIONS steps are seen it
 is not ready and the scheduler uses only its token budget.
 
+StepBudget turns max_step_ms into what the next step may be predicted to take.
+
 Plain Python (four features: a 4x4 solve), so that the engine core imports no numpy or torch.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+from minivllm.core.outputs import STEP_COST_ERROR_BUCKETS, Histogram
 
 NUM_FEATURES = 4
 
@@ -50,19 +54,27 @@ class StepCostModel:
         self._seconds: deque[float] = deque(maxlen=self.WINDOW)
         self._since_fit = 0
         self.weights: list[float] | None = None
+        # |measured / predicted - 1| of every step predicted before it ran: what a budget can trust.
+        self.error = Histogram(STEP_COST_ERROR_BUCKETS)
 
     @property
     def ready(self) -> bool:
         return self.weights is not None
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> float | None:
+        """Learn from a measured step; returns what the model predicted for it (None: not
+        ready yet, or an empty step)."""
         if shape.num_tokens == 0 or seconds <= 0:
-            return
+            return None
+        predicted = max(self.predict(shape), 1e-9) if self.ready else None
+        if predicted is not None:
+            self.error.observe(abs(seconds / predicted - 1))
         self._features.append(shape.features())
         self._seconds.append(seconds)
         self._since_fit += 1
         if len(self._seconds) >= self.MIN_OBSERVATIONS and (self.weights is None or self._since_fit >= self.REFIT_EVERY):
             self._fit()
+        return predicted
 
     def predict(self, shape: StepShape) -> float:
         """Seconds; only when ready."""
@@ -95,6 +107,43 @@ class StepCostModel:
                 active = [i for i, w in zip(active, solution, strict=True) if w >= 0]
         self.weights = weights
         self._since_fit = 0
+
+
+class StepBudget:
+    """What the next step may be predicted to take under max_step_ms.
+
+    Two bounds. No step longer than max_step_ms: a stream's longest gap between tokens. And over
+    any WINDOW consecutive steps at most SUSTAINED_FRACTION of it on average: under a sustained
+    load of prompts a stream still gets a token every 0.6 x max_step_ms, while a prompt that
+    arrives after a few quick decode steps may use the whole budget at once (its first token
+    comes sooner). A linear fit is right on average, so half the steps planned at the budget
+    would overrun it: the allowance is divided by the 90th percentile of measured / predicted
+    over the last MARGIN_WINDOW steps planned near the budget, so nine in ten end within it.
+    """
+
+    WINDOW = 4
+    SUSTAINED_FRACTION = 0.6
+    MARGIN_WINDOW = 64
+    MARGIN_QUANTILE = 0.9
+
+    def __init__(self, max_step_s: float) -> None:
+        self.max_step_s = max_step_s
+        self._recent: deque[float] = deque(maxlen=self.WINDOW - 1)
+        self._overruns: deque[float] = deque(maxlen=self.MARGIN_WINDOW)
+        self.margin = 1.0
+
+    def observe(self, seconds: float, predicted: float | None) -> None:
+        self._recent.append(seconds)
+        if predicted is not None and predicted >= self.max_step_s / 2:
+            self._overruns.append(seconds / predicted)
+            if len(self._overruns) >= self.MARGIN_WINDOW // 8:
+                ratios = sorted(self._overruns)
+                self.margin = max(1.0, ratios[int(self.MARGIN_QUANTILE * (len(ratios) - 1))])
+
+    def allowance(self) -> float:
+        """Predicted seconds the next step may take (0 or less: none left beyond the decodes)."""
+        sustained = self.WINDOW * self.SUSTAINED_FRACTION * self.max_step_s - sum(self._recent)
+        return min(self.max_step_s, sustained) / self.margin
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

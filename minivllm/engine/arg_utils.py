@@ -228,7 +228,8 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            help_text = docs.get(f.name, "") + f" (default: {f.default})"
+            # argparse formats help with %: a literal one ("60% of it") must be doubled.
+            help_text = docs.get(f.name, "").replace("%", "%%") + f" (default: {f.default})"
             if hints[f.name] is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:

@@ -213,6 +213,21 @@ class DeviceConfig:
     """"cpu" or "cuda" (or "cuda:N")."""
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"
+    """What compiles structured-output constraints: xgrammar, guidance (llguidance), or auto
+    (xgrammar, and llguidance for what xgrammar refuses)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"Structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {self.backend!r}.")
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     model_config: ModelConfig
@@ -220,3 +235,4 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()

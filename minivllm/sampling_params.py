@@ -23,6 +23,44 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on what a request may generate (vLLM's fields): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), `regex`, `choice` (one of these strings), `grammar` (EBNF
+    as xgrammar reads it, GBNF included), `json_object` (any JSON object) or `structural_tag`
+    (xgrammar's structural-tag JSON). The options shape JSON: `disable_any_whitespace` (no
+    free whitespace between tokens), `disable_additional_properties` (objects get
+    "additionalProperties": false unless the schema says otherwise), `whitespace_pattern` (a regex
+    for the whitespace allowed, llguidance only).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # Filled by the engine's input processor: the backend that compiles it ("xgrammar",
+    # "guidance"), the engine's choice or, under "auto", the first that accepts the constraint.
+    backend: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("Structured outputs need exactly one of json, regex, choice, grammar, json_object "
+                             f"or structural_tag; got {', '.join(given) or 'none'}.")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("Structured outputs: choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters for text generation (vLLM's fields, names and defaults).
 
@@ -56,6 +94,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine's input processor from bad_words (the worker has no tokenizer).
     bad_words_token_ids: list[list[int]] | None = None
 

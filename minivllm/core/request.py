@@ -4,7 +4,8 @@ A Request is created by EngineCore.add_request from an EngineCoreRequest and liv
 finishes or is aborted. The scheduler advances `num_computed_tokens` towards
 `num_tokens_with_spec` step by step (prefill chunks, decode steps and the verification of draft
 tokens are the same thing), appends sampled tokens, and moves it through
-WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*.
+WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED_*, a structured-output request
+first waiting in WAITING_FOR_FSM while its grammar compiles.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from minivllm.sampling_params import SamplingParams
+    from minivllm.structured_output.request import StructuredOutputRequest
 
 
 class FinishReason(enum.IntEnum):
@@ -30,6 +32,7 @@ class FinishReason(enum.IntEnum):
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # structured output: its grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # NOTE: every status after PREEMPTED is a finished one.
@@ -76,7 +79,12 @@ class Request:
         # max_tokens None means "up to max_model_len"; the scheduler checks both.
         self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens else 1 << 62
 
-        self.status = RequestStatus.WAITING
+        self.structured_output_request: StructuredOutputRequest | None = None
+        if sampling_params.structured_outputs is not None:
+            from minivllm.structured_output.request import StructuredOutputRequest
+
+            self.structured_output_request = StructuredOutputRequest(sampling_params.structured_outputs)
+        self.status = RequestStatus.WAITING_FOR_FSM if self.structured_output_request else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_preemptions = 0

@@ -23,6 +23,7 @@ from minivllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    StructuredOutputsConfig,
     VllmConfig,
     default_max_step_ms,
 )
@@ -94,6 +95,9 @@ class EngineArgs:
     """On CPU in bfloat16: run a GGUF model's Q4_1 layers with the int4 kernel for steps of up to 8
     tokens (about a quarter off each single-stream decode step); larger steps use the dequantized
     weights."""
+    structured_outputs_config: dict[str, str] | None = None
+    """Structured outputs: {"backend": "auto" | "xgrammar" | "guidance"} (default auto: xgrammar,
+    llguidance for what xgrammar cannot compile); --structured-outputs-config.backend."""
     tensor_parallel_size: int = 1
     """Workers the model is sharded over (only 1 for now)."""
     data_parallel_size: int = 1
@@ -113,6 +117,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         SchedulingPolicy.parse(self.scheduling_policy)
+        self._create_structured_outputs_config()
         self._create_cache_config()
         self._create_parallel_config()
 
@@ -154,7 +159,7 @@ class EngineArgs:
         )
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),
-            self._create_parallel_config(),
+            self._create_parallel_config(), self._create_structured_outputs_config(),
         )
 
     def _resolve_max_step_ms(self, device: str) -> float | None:
@@ -177,6 +182,13 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
         )
+
+    def _create_structured_outputs_config(self) -> StructuredOutputsConfig:
+        options = dict(self.structured_outputs_config or {})
+        unknown = set(options) - {"backend"}
+        if unknown:
+            raise ValueError(f"Unknown structured_outputs_config keys: {', '.join(sorted(unknown))}.")
+        return StructuredOutputsConfig(**options)
 
     def _create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -230,7 +242,10 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             # argparse formats help with %: a literal one ("60% of it") must be doubled.
             help_text = docs.get(f.name, "").replace("%", "%%") + f" (default: {f.default})"
-            if hints[f.name] is bool:
+            if f.name in _DICT_OPTIONS:  # vLLM's dotted flags: --structured-outputs-config.backend
+                for key in _DICT_OPTIONS[f.name]:
+                    parser.add_argument(f"{flag}.{key}", dest=f"{f.name}.{key}", default=None, help=help_text)
+            elif hints[f.name] is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=_arg_type(hints[f.name]), default=f.default, help=help_text)
@@ -239,7 +254,15 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        for name, keys in _DICT_OPTIONS.items():
+            given = {key: value for key in keys if (value := getattr(args, f"{name}.{key}", None)) is not None}
+            kwargs[name] = given or None
+        return cls(**kwargs)
+
+
+# Options that are dicts in Python, one flag per key on the command line.
+_DICT_OPTIONS = {"structured_outputs_config": ("backend",)}
 
 
 def _arg_type(hint: Any) -> type:

@@ -43,6 +43,7 @@ from minivllm.engine.messages import (
 from minivllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from minivllm.executor.abstract import Executor
 from minivllm.logger import init_logger
+from minivllm.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -57,7 +58,9 @@ class EngineCore:
         kv_cache_config = self._initialize_kv_caches(vllm_config)
         cache_config = dataclasses.replace(vllm_config.cache_config, num_gpu_blocks=kv_cache_config.num_blocks)
         self.vllm_config = dataclasses.replace(vllm_config, cache_config=cache_config)
-        self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config, kv_cache_config)
+        self.structured_output_manager = StructuredOutputManager(self.vllm_config)
+        self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config, kv_cache_config,
+                                   self.structured_output_manager)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
@@ -111,6 +114,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the workers; the engine core is unusable after."""
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
 

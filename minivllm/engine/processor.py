@@ -14,17 +14,19 @@ import msgspec
 from minivllm.config import ModelConfig, SchedulingPolicy, VllmConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # What LLM.generate and LLMEngine.add_request accept as one prompt.
 PromptType = str | list[int] | dict[str, Any]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str,
+                 structured_outputs_backend: str = "auto") -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.scheduling_policy = SchedulingPolicy.parse(scheduling_policy)
+        self.structured_outputs_backend = structured_outputs_backend
         self.vocab_size = model_config.hf_config.vocab_size
 
     def process_inputs(
@@ -42,6 +44,8 @@ class Processor:
         self._validate_prompt(prompt_token_ids)
         if params.bad_words:
             params = msgspec.structs.replace(params, bad_words_token_ids=self._tokenize_bad_words(params.bad_words))
+        if params.structured_outputs is not None:
+            params = msgspec.structs.replace(params, structured_outputs=self._resolve_structured_outputs(params))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -52,6 +56,15 @@ class Processor:
             priority=priority,
         )
         return request, prompt_text
+
+    def _resolve_structured_outputs(self, params: SamplingParams) -> StructuredOutputsParams:
+        """The constraint checked (a ValueError for one that cannot compile) and its backend
+        chosen, here in the front end: the engine only compiles what will compile."""
+        from minivllm.structured_output import resolve_backend
+
+        so = params.structured_outputs
+        assert so is not None
+        return msgspec.structs.replace(so, backend=resolve_backend(so, self.structured_outputs_backend))
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -114,7 +127,8 @@ def start_front_end(vllm_config: VllmConfig, engine_core: Any) -> tuple[Any, Pro
         from minivllm.transformers_utils.tokenizer import get_tokenizer
 
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        processor = Processor(vllm_config.model_config, tokenizer, vllm_config.scheduler_config.policy)
+        processor = Processor(vllm_config.model_config, tokenizer, vllm_config.scheduler_config.policy,
+                              vllm_config.structured_outputs_config.backend)
         output_processor = OutputProcessor(tokenizer)
         engine_core.wait_for_ready()
     except BaseException:

@@ -23,6 +23,7 @@ from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from minivllm.core.outputs import ModelRunnerOutput
 from minivllm.model.layers.attention import Attention
 from minivllm.model.loader import get_model
+from minivllm.sample.ops.bitmask import apply_token_bitmask
 from minivllm.sample.sampler import Sampler
 from minivllm.worker.buffers import CpuGpuBuffer
 from minivllm.worker.graph_runner import BatchDescriptor, GraphRunner
@@ -154,6 +155,8 @@ class ModelRunner:
         logprobs = None
         if len(step.sampled_rows):
             logits = self.model.compute_logits(hidden_states if pruned else hidden_states[step.logits_indices])
+            if scheduler_output.structured_output_request_ids:
+                self._apply_grammar_bitmask(logits, scheduler_output, step.sampled_rows)
             sampler_output = self.sampler(logits, batch.sampling.make_metadata(step.sampled_rows))
             # NOTE: the step's one device-to-host copy.
             new_token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
@@ -168,6 +171,19 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, scheduler_output: SchedulerOutput, sampled_rows: np.ndarray
+    ) -> None:
+        """Mask the structured-output rows before the sampler (so logprobs, penalties and
+        sampling all see the masked distribution, as in vLLM)."""
+        index = self.input_batch.req_id_to_index
+        items = scheduler_output.structured_output_request_ids.items()
+        # sampled_rows is sorted: a batch row's logits row is its rank there.
+        logits_rows = np.searchsorted(sampled_rows, [index[req_id] for req_id, _ in items])
+        bitmask = scheduler_output.grammar_bitmask[[row for _, row in items]]
+        apply_token_bitmask(logits, torch.from_numpy(bitmask).to(logits.device),
+                            torch.from_numpy(logits_rows).to(logits.device))
 
     def _run_model(self, step: StepInputs, pruned: bool) -> torch.Tensor:
         """The forward: replayed when the graph runner can, else eager (pruning the last layer to

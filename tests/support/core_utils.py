@@ -533,7 +533,7 @@ def check_request_invariants(scheduler: Scheduler, max_num_spec_tokens: int = 0)
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING, request.request_id
     for request in scheduler.waiting:
-        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0
         assert not any(held_blocks(kv, request.request_id))
     for req_id, request in scheduler.requests.items():

@@ -10,7 +10,7 @@ batch, so the per-step message stays small even when it has to cross a process b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from minivllm.core.request import Request
@@ -66,3 +66,8 @@ class SchedulerOutput:
     # they are the last len(...) of the request's num_scheduled_tokens. Only requests that have
     # draft tokens appear.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured output: req_id -> its row of grammar_bitmask (numpy int32 [rows, ceil(vocab /
+    # 32)], bit t % 32 of word t // 32 set when token t is allowed), for the structured-output
+    # requests that sample in this step; the worker masks their logits with it.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None

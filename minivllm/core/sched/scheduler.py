@@ -36,12 +36,16 @@ from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
 from minivllm.core.sched.step_cost import StepBudget, StepCostModel, StepShape
+from minivllm.logger import init_logger
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
     from minivllm.core.kv_cache_interface import KVCacheConfig
     from minivllm.core.outputs import ModelRunnerOutput
+    from minivllm.structured_output import StructuredOutputManager
 
+
+logger = init_logger(__name__)
 
 # Prompt tokens a step takes even when the step-time budget has no room left for them.
 MIN_PREFILL_CHUNK = 16
@@ -98,6 +102,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         """`kv_cache_config` comes from core/kv_cache_utils.py: get_kv_cache_config, which also
         checks that one request of max_model_len tokens fits (so preemption always makes
@@ -129,12 +134,19 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0
+        self.structured_output_manager = structured_output_manager
+        # Requests whose grammar failed to compile: their error goes out with the next outputs.
+        self._failed: list[Request] = []
 
     # ---- request intake -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
+        if request.structured_output_request is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("This engine has no structured output manager.")
+            self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -198,9 +210,24 @@ class Scheduler:
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        self._add_grammar_bitmask(output)
         self.num_computed_tokens_total += output.total_num_scheduled_tokens
         self.last_step_shape = plan.shape
         return output
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The allowed next tokens of the structured-output requests that sample in this step
+        (those whose known tokens are all computed: not mid-prompt)."""
+        if self.structured_output_manager is None:
+            return
+        sampling = [
+            request for req_id in output.num_scheduled_tokens
+            if (request := self.requests[req_id]).structured_output_request is not None
+            and request.num_computed_tokens >= request.num_tokens
+        ]
+        if sampling:
+            output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(sampling)}
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
     def observe_step_time(self, seconds: float) -> None:
         """The measured time of the step last scheduled: the cost model and the budget learn
@@ -304,8 +331,20 @@ class Scheduler:
         (each first chunk sized as a running prefill's)."""
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
+        compiling: list[Request] = []  # grammars not ready: they keep their place in the queue
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                so_request = request.structured_output_request
+                assert so_request is not None
+                if not so_request.check_ready():
+                    compiling.append(self.waiting.pop_request())
+                    continue
+                if so_request.error is not None:
+                    self.waiting.pop_request()
+                    self._fail(request, f"Structured output grammar failed to compile: {so_request.error}")
+                    continue
+                request.status = RequestStatus.WAITING
             # Prefix cache: new and preempted requests start from what is already computed.
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
@@ -329,7 +368,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             plan.add(request, num_computed, num_new_tokens, blocks)
+        for request in reversed(compiling):
+            self.waiting.prepend_request(request)
         return scheduled_new, scheduled_resumed
+
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish one request with an error (the engine goes on): aborted, the error as its stop
+        reason, reported with the next outputs."""
+        logger.warning("Request %s: %s", request.request_id, error)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = error
+        self._failed.append(request)
+        self._free_request(request)
 
     def _choose_victim(self) -> Request:
         """The running request to preempt when blocks run out."""
@@ -391,7 +441,12 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs = [
+            EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason=r.get_finished_reason(),
+                             stop_reason=r.stop_reason)
+            for r in self._failed
+        ]
+        self._failed = []
         stopped: dict[str, None] = {}  # NOTE: ordered, so blocks are freed in batch order
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
@@ -447,27 +502,39 @@ class Scheduler:
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append the tokens one at a time until one stops the request; the tokens appended."""
+        so_request = request.structured_output_request
         for i, token_id in enumerate(token_ids):
             request.append_output_token_ids([token_id])
+            if so_request is not None and not so_request.grammar.accept_tokens([token_id]):  # type: ignore[union-attr]
+                # The mask allowed only what the grammar accepts: this is a backend fault.
+                logger.error("Request %s: the grammar rejected token %d it allowed.", request.request_id, token_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.stop_reason = "structured output grammar rejected a sampled token"
+                return token_ids[: i + 1]
             if self._check_stop(request):
                 return token_ids[: i + 1]
         return token_ids
 
     def _check_stop(self, request: Request) -> bool:
-        """Whether the request's last token ends it (and with which status and stop reason)."""
+        """Whether the request's last token ends it (and with which status and stop reason). A
+        structured-output request also ends when its grammar is complete (xgrammar: it accepted
+        a stop token; llguidance: nothing can follow), whatever min_tokens asks."""
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        so_request = request.structured_output_request
+        complete = so_request is not None and so_request.grammar.is_terminated()  # type: ignore[union-attr]
+        if request.num_output_tokens < params.min_tokens and not complete:
             return False
         last_token_id = request.output_token_ids[-1]
-        if last_token_id not in params.get_stop_token_ids(request.eos_token_id):
+        is_stop_token = last_token_id in params.get_stop_token_ids(request.eos_token_id)
+        if not (is_stop_token or complete):
             return False
         request.status = RequestStatus.FINISHED_STOPPED
         # NOTE: EOS is reported as no stop reason (vLLM's convention), a stop token as itself.
         is_eos = last_token_id == request.eos_token_id and not params.ignore_eos
-        request.stop_reason = None if is_eos else last_token_id
+        request.stop_reason = last_token_id if is_stop_token and not is_eos else None
         return True
 
     @staticmethod

@@ -1,0 +1,93 @@
+"""Structured output through the engine with a tiny random Llama (the SmolLM2 tokenizer): its
+logits favour nothing in particular, so every valid output is the mask's doing. Batches mix
+constrained and free requests, with chunked prefill, prefix caching and preemption forced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from schemas import ARITHMETIC, CHOICES, SCHEMAS, check_json, check_regex, parse_arithmetic
+
+from minivllm import SamplingParams
+from minivllm.sampling_params import StructuredOutputsParams
+
+PROMPTS = ["Reply in JSON about a user and their scores.", "Colour and size?", "Write an expression:",
+           "Call me at", "How was it?", "Tell me a story about a cat who"]
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_model, make_module_llm):
+    # 40 blocks of 16 tokens for up to 12 requests of ~30-230 tokens: preemptions happen;
+    # 48-token steps chunk every prompt.
+    return make_module_llm(make_tiny_model("llama"), dtype="float32", max_num_batched_tokens=48,
+                           num_gpu_blocks_override=40, max_model_len=512)
+
+
+def constrained(so: StructuredOutputsParams, temperature: float, seed: int = 0) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=200, structured_outputs=so)
+
+
+# json_object is left to the real model (test_smollm2.py): any object's strings are unbounded,
+# and a random model never closes one.
+CASES = [(StructuredOutputsParams(json=schema), name) for name, schema in SCHEMAS.items()] + [
+    (StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"), "regex"),
+    (StructuredOutputsParams(choice=CHOICES), "choice"),
+    (StructuredOutputsParams(grammar=ARITHMETIC), "grammar"),
+    (StructuredOutputsParams(json=SCHEMAS["flat"], disable_any_whitespace=True), "compact"),
+]
+
+
+def check(text: str, name: str) -> None:
+    if name in SCHEMAS:
+        check_json(text, SCHEMAS[name])
+    elif name == "compact":
+        check_json(text, SCHEMAS["flat"])
+        # No whitespace outside the strings: the text is its own compact serialization.
+        assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    elif name == "regex":
+        check_regex(text)
+    elif name == "choice":
+        assert text in CHOICES
+    else:
+        parse_arithmetic(text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_constraint_holds_in_a_mixed_batch(llm, temperature):
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts, params = [], []
+    for i, (so, _) in enumerate(CASES):
+        prompts += [PROMPTS[i % len(PROMPTS)] * (1 + i % 3), PROMPTS[(i + 1) % len(PROMPTS)]]
+        params += [constrained(so, temperature, seed=i), free]
+    preemptions = llm.llm_engine.get_scheduler_stats().num_preemptions
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.get_scheduler_stats().num_preemptions > preemptions  # recomputed mid-grammar
+    for (_, name), out in zip(CASES, outputs[::2], strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion.text)
+        check(completion.text, name)
+    # The free requests beside them: the same tokens as with no structured request at all.
+    alone = llm.generate(prompts[1::2], free, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[1::2]] == [o.outputs[0].token_ids for o in alone]
+    assert llm.generate(["ok"], free, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_cuts_a_constrained_reply_with_length(llm):
+    [out] = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3,
+                                               structured_outputs=StructuredOutputsParams(json=SCHEMAS["nested"])),
+                         use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 3
+    assert out.outputs[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutputsParams(json="{bad"), "not valid JSON"),
+    (StructuredOutputsParams(regex="(a"), "Invalid regex"),
+    (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+])
+def test_bad_constraint_is_a_value_error_and_the_engine_goes_on(llm, so, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+    [out] = llm.generate(["x"], constrained(StructuredOutputsParams(choice=CHOICES), 0.0), use_tqdm=False)
+    assert out.outputs[0].text in CHOICES

@@ -22,6 +22,7 @@ class SampleRequest:
     expected_output_len: int
     prompt: str | None = None  # the text, where the dataset has one
     messages: list[dict[str, str]] | None = None  # the conversation, for chat datasets
+    structured_outputs: dict[str, Any] | None = None  # vLLM's request field, when constrained
 
     @property
     def prompt_len(self) -> int:

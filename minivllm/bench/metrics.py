@@ -25,6 +25,7 @@ class RequestTrace:
     itl: list[float] = field(default_factory=list)  # gaps between chunks, seconds
     chunk_times: list[float] = field(default_factory=list)  # absolute arrival times
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each chunk
+    text: str = ""  # the output, for checking structured outputs
     error: str = ""
 
     @property

@@ -9,7 +9,9 @@ import asyncio
 import collections
 import json
 import os
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,31 @@ import numpy as np
 from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset, random_requests
 from minivllm.bench.metrics import RequestTrace, parse_goodput, summarize
 from minivllm.bench.utils import plot_cdfs, write_json
+
+# The --structured-output workloads: the constraint, and a check of an output that is independent
+# of the server (a constrained reply cut by max_tokens fails it).
+_JSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "email": {"type": "string", "maxLength": 60}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                            "maxItems": 5},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"]}},
+    "required": ["name", "age", "email", "tags", "address"]}
+_CHOICES = ["positive", "negative", "neutral", "mixed"]
+_REGEX = r"[A-Z][a-z]{2,9} [0-9]{1,4}, [A-Z]{2} [0-9]{5}"
+STRUCTURED_OUTPUTS: dict[str, tuple[dict[str, Any], Callable[[str], bool]]] = {
+    "json": ({"json": _JSON_SCHEMA}, lambda text: _is_json_object(text)),
+    "choice": ({"choice": _CHOICES}, lambda text: text in _CHOICES),
+    "regex": ({"regex": _REGEX}, lambda text: re.fullmatch(_REGEX, text) is not None),
+}
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +68,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-output-len", type=int, default=32)
     parser.add_argument("--burst-delay", type=float, default=5.0,
                         help="Seconds after the first request is sent.")
+    parser.add_argument("--structured-output", choices=sorted(STRUCTURED_OUTPUTS), default=None,
+                        help="Constrain requests (vLLM's structured_outputs field): a JSON schema, a regex or a choice; "
+                             "the report compares their TPOT with the unconstrained requests of the same run.")
+    parser.add_argument("--structured-output-ratio", type=float, default=1.0,
+                        help="Share of the requests constrained (spread evenly over the run).")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000.")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -59,6 +91,8 @@ async def send_request(session: Any, url: str, endpoint: str, model: str, sample
         "model": model, "max_tokens": sample.expected_output_len, "temperature": temperature, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True,
     }
+    if sample.structured_outputs is not None:
+        payload["structured_outputs"] = sample.structured_outputs
     if endpoint.endswith("chat/completions"):
         payload["messages"] = sample.messages or [{"role": "user", "content": sample.prompt or ""}]
     else:
@@ -92,7 +126,9 @@ async def send_request(session: Any, url: str, endpoint: str, model: str, sample
                 else:
                     trace.itl.append(now - last)
                 trace.chunk_times.append(now)
-                trace.chunk_tokens.append(1 if any(_chunk_text(c) for c in choices) else 0)
+                text = "".join(_chunk_text(c) for c in choices)
+                trace.text += text
+                trace.chunk_tokens.append(1 if text else 0)
                 last = now
         trace.latency = last - trace.start_time
         trace.output_tokens = trace.output_tokens or sum(trace.chunk_tokens)
@@ -120,6 +156,38 @@ def send_times(args: argparse.Namespace, num_requests: int, num_burst: int) -> l
     arrival rate, then the burst's all at --burst-delay."""
     times = np.cumsum(arrival_gaps(num_requests, args.request_rate, args.burstiness, args.seed))
     return [*times.tolist(), *[args.burst_delay] * num_burst]
+
+
+def constrain(requests: list[SampleRequest], kind: str | None, ratio: float) -> list[bool]:
+    """Give `kind`'s constraint to a `ratio` share of the requests, spread evenly (request i is
+    constrained when floor((i + 1) * ratio) > floor(i * ratio)); which ones were."""
+    if kind is None:
+        return [False] * len(requests)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError("--structured-output-ratio must be in (0, 1].")
+    chosen = [int((i + 1) * ratio) > int(i * ratio) for i in range(len(requests))]
+    for request, constrained in zip(requests, chosen, strict=True):
+        if constrained:
+            request.structured_outputs = STRUCTURED_OUTPUTS[kind][0]
+    return chosen
+
+
+def structured_output_report(traces: list[RequestTrace], constrained: list[bool], kind: str | None) -> dict[str, Any]:
+    """TPOT of the constrained requests and of the others in the same run, and how many
+    constrained outputs pass the workload's own check."""
+    if kind is None:
+        return {}
+    check = STRUCTURED_OUTPUTS[kind][1]
+    report: dict[str, Any] = {"structured_output": kind}
+    for name, group in (("constrained", True), ("free", False)):
+        tpots = [1000 * t.tpot for t, c in zip(traces, constrained, strict=True)
+                 if c == group and t.success and t.tpot is not None]
+        report[f"{name}_requests"] = sum(c == group for c in constrained)
+        if tpots:
+            report[f"{name}_tpot_ms"] = {"mean": float(np.mean(tpots)), "median": float(np.median(tpots)),
+                                         "p99": float(np.percentile(tpots, 99))}
+    report["constrained_valid"] = sum(check(t.text) for t, c in zip(traces, constrained, strict=True) if c)
+    return report
 
 
 def burst_requests(args: argparse.Namespace, vocab_size: int) -> list[SampleRequest]:
@@ -240,6 +308,7 @@ def main(args: argparse.Namespace) -> None:
     requests = build_dataset(args, tokenizer, len(tokenizer))
     times = send_times(args, len(requests), args.burst_num_prompts)
     requests += burst_requests(args, len(tokenizer))
+    constrained = constrain(requests, args.structured_output, args.structured_output_ratio)
     if args.endpoint.endswith("chat/completions"):
         for r in requests:
             r.prompt = r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
@@ -247,7 +316,8 @@ def main(args: argparse.Namespace) -> None:
     traces, duration = asyncio.run(run(args, url, model, requests, times))
     steps = engine_step_report(metrics_before, asyncio.run(scrape_metrics(url)))
     startup = metrics_before.get(("minivllm:engine_startup_seconds", ""))
-    result = summarize(traces, duration, slos) | steps | {
+    result = summarize(traces, duration, slos) | steps | structured_output_report(
+        traces, constrained, args.structured_output) | {
         "model": model, "endpoint": args.endpoint, "request_rate": args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_prompts": len(requests),
         "burst_num_prompts": args.burst_num_prompts,
@@ -298,6 +368,14 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
             ("Steps predicted within 10% / 25% (%)",
              f"{100 * r['step_cost_within_10pct']:.0f} / {100 * r['step_cost_within_25pct']:.0f}"),
         ]
+    if "structured_output" in r:
+        rows.append((f"Constrained ({r['structured_output']}) valid",
+                     f"{r['constrained_valid']} of {r['constrained_requests']}"))
+        for name in ("constrained", "free"):
+            if f"{name}_tpot_ms" in r:
+                tpot = r[f"{name}_tpot_ms"]
+                rows.append((f"TPOT {name} mean / median / p99 (ms)",
+                             f"{tpot['mean']:.1f} / {tpot['median']:.1f} / {tpot['p99']:.1f}"))
     for name in args.percentile_metrics.split(","):
         rows += [(f"{stat.capitalize()} {name.upper()} (ms)", f"{r[f'{stat}_{name}_ms']:.2f}")
                  for stat in ("mean", "median", "std", "p90", "p99")]

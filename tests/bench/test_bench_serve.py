@@ -191,6 +191,22 @@ def test_serve_burst_of_long_prompts_and_the_engine_steps(server, tmp_path, monk
     assert result["step_cost_error_mean"] >= 0
 
 
+def test_serve_structured_output_against_free_requests(server, tmp_path):
+    """--structured-output choice on every other request: those replies are one of the choices
+    (checked here, not by the bench), the others run free to their length, and the report
+    gives both groups' TPOT."""
+    result = bench(server, tmp_path / "so.json", "--endpoint", "/v1/chat/completions", "--num-prompts", "6",
+                   "--random-input-len", "16", "--random-output-len", "12", "--structured-output", "choice",
+                   "--structured-output-ratio", "0.5", "--temperature", "1.0")
+    assert result["completed"] == 6 and result["constrained_requests"] == result["free_requests"] == 3
+    assert result["constrained_valid"] == 3
+    assert result["output_lens"][0::2] == [12] * 3  # the free ones (requests 1, 3, 5 are constrained)
+    assert all(n < 12 for n in result["output_lens"][1::2])  # a choice is a few tokens, then stop
+    assert result["constrained_tpot_ms"]["median"] > 0 and result["free_tpot_ms"]["median"] > 0
+    assert bench_serve.constrain([bench_serve.SampleRequest([1], 1) for _ in range(4)], "regex", 0.25) == \
+        [False, False, False, True]
+
+
 def test_engine_step_report_by_hand():
     """Bucket deltas between two scrapes: 10 steps in the run, 6 within 50 ms, 9 within 250 ms."""
     step, error = "minivllm:engine_step_seconds", "minivllm:step_cost_relative_error"

@@ -6,13 +6,14 @@ accepted, and fields minivllm cannot honour are rejected with a clear 400, not i
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -67,6 +68,16 @@ class SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     # vLLM's extra field: under --scheduling-policy priority, lower is served first.
     priority: int = 0
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs ({"json": ...,
+    # "regex": ..., "choice": [...], "grammar": ..., ...}), or the older guided_* fields that
+    # existing client code still sends.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -99,7 +110,48 @@ class SamplingRequest(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint from whichever of its fields gives one (a ValueError, so a
+        400, when several do or one is malformed)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            given.append(("response_format", _response_format_constraint(self.response_format)))
+        guided = {kind: value for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                  ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        if guided:
+            if self.guided_whitespace_pattern is not None:
+                guided["whitespace_pattern"] = self.guided_whitespace_pattern
+            given.append(("guided_*", guided))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"Give one structured output constraint, not {' and '.join(name for name, _ in given)}.")
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError as e:  # an unknown field
+            raise ValueError(f"Bad {name}: {e}.") from None
+
+
+def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any]:
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")
+        if not isinstance(json_schema, dict) or "schema" not in json_schema:
+            raise ValueError("response_format of type json_schema needs json_schema.schema.")
+        # NOTE: "strict" is accepted and has no effect: the schema is always enforced (vLLM too).
+        return {"json": json_schema["schema"]}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(response_format)}
+    raise ValueError(f"Unknown response_format type {kind!r}; use text, json_object, json_schema or structural_tag.")
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -156,7 +208,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras
     echo: bool = False
     add_generation_prompt: bool = True
@@ -182,11 +233,13 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):

@@ -1,12 +1,15 @@
 """POST /v1/chat/completions: messages through the model's chat template, n samples, streamed as
 chat.completion.chunk deltas or returned whole, with OpenAI's chat-style logprobs, and vLLM's
-`echo` (the reply starts with the last message when that message is the one being continued)."""
+`echo` (the reply starts with the last message when that message is the one being continued),
+and tool calls forced by tool_choice (tool_calls.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -30,16 +33,15 @@ from minivllm.entrypoints.openai.serving import (
     top_logprobs,
     usage,
 )
+from minivllm.entrypoints.openai.tool_calls import ToolChoice, parse_tool_choice, tool_calls
 from minivllm.outputs import CompletionOutput, Logprob
+from minivllm.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        if request.tools and request.tool_choice != "none":
-            raise OpenAIError("Tool calling is not supported.", 400, "tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError("response_format other than text is not supported yet.", 400, "response_format")
+        tool_choice, tool_schema = parse_tool_choice(request.tools, request.tool_choice)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
         text, token_ids = self.render(request.messages, request)
@@ -49,27 +51,32 @@ class OpenAIServingChat(OpenAIServing):
         )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.to_sampling_params(max_tokens, logprobs)
+        if tool_schema is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError("A forced tool call is already a structured output; drop response_format / "
+                                  "structured_outputs.", 400, "tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=StructuredOutputsParams(json=tool_schema))
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": token_ids, "prompt": text, "cache_salt": request.cache_salt}
         stream = await self.start(request_id, prompt, params, request.priority)
         if request.stream:
-            return self._stream(request, request_id, len(token_ids), params.logprobs, stream)
+            return self._stream(request, request_id, len(token_ids), params.logprobs, stream, tool_choice)
         final = None
         async for output in stream:
             final = output
         assert final is not None
         role = response_role(request)
         echo = echo_text(request, role)
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatMessage(role=role, content=echo + c.text),
-                logprobs=self._logprobs(c, params.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = ChatMessage(role=role, content=echo + c.text), c.finish_reason
+            if tool_choice is not None and (calls := tool_calls(tool_choice, c.text)):
+                message = ChatMessage(role=role, content=None, tool_calls=calls)
+                finish_reason = tool_choice.finish_reason_when_called or finish_reason
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=message, logprobs=self._logprobs(c, params.logprobs),
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
+            ))
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage(len(token_ids), num_generated))
@@ -83,6 +90,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=getattr(request, "continue_final_message", False),
                 tokenize=False,
+                tools=getattr(request, "tools", None) if getattr(request, "tool_choice", None) != "none" else None,
                 **(getattr(request, "chat_template_kwargs", None) or {}),
             )
         except OpenAIError:
@@ -109,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
             **chosen.model_dump(), top_logprobs=[entry(t, lp) for t, lp in top_logprobs(position, num)]
         )
 
-    async def _stream(self, request, request_id, prompt_tokens, logprobs, stream) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, prompt_tokens, logprobs, stream, tool_choice) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage, continuous_usage = stream_usage(request.stream_options)
         num_generated = [0] * request.n  # per choice, so far
@@ -125,6 +133,7 @@ class OpenAIServingChat(OpenAIServing):
 
         role = response_role(request)
         started = False
+        tool_deltas = [ToolCallDeltas(tool_choice) for _ in range(request.n)] if tool_choice is not None else []
         async for output in stream:
             for c in output.outputs:
                 num_generated[c.index] += len(c.token_ids)
@@ -138,14 +147,49 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(to_all(DeltaMessage(role=role, content="")), 0)
                     if echo := echo_text(request, role):
                         yield chunk(to_all(DeltaMessage(content=echo)), 0)
+                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                if tool_choice is not None:
+                    delta, finish_reason = tool_deltas[c.index].delta(c.text, c.finished(), finish_reason)
+                    if delta is None:
+                        continue
                 yield chunk([ChatCompletionResponseStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=self._logprobs(c, logprobs),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    index=c.index, delta=delta, logprobs=self._logprobs(c, logprobs),
+                    finish_reason=finish_reason, stop_reason=c.stop_reason,
                 )], num_generated[c.index])
         if include_usage:
             yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                    choices=[], usage=usage(prompt_tokens, sum(num_generated))))
         yield SSE_DONE
+
+
+class ToolCallDeltas:
+    """One streamed choice's tool calls in OpenAI's delta format. A named call streams its
+    arguments as they come (the reply is the arguments); calls under "required" go out whole
+    when the reply is complete (the array must be parsed to split it into calls)."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.choice = choice
+        self.text = ""
+        self.call_id: str | None = None
+
+    def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """The delta for the next piece of text (None: nothing to send yet) and the finish reason."""
+        self.text += text
+        if self.choice.name is not None:
+            if self.call_id is None:
+                self.call_id = random_id("call")
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": self.choice.name, "arguments": text}}
+            else:
+                call = {"index": 0, "function": {"arguments": text}}
+            return DeltaMessage(tool_calls=[call]), finish_reason
+        if not finished:
+            return None, None
+        calls = tool_calls(self.choice, self.text)
+        if not calls:  # cut short: what there is, as content
+            return DeltaMessage(content=self.text), finish_reason
+        return (DeltaMessage(tool_calls=[{"index": i, **call} for i, call in enumerate(calls)]),
+                self.choice.finish_reason_when_called)
 
 
 def response_role(request: ChatCompletionRequest) -> str:

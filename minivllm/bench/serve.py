@@ -32,10 +32,15 @@ _JSON_SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "email", "tags", "address"]}
 _CHOICES = ["positive", "negative", "neutral", "mixed"]
 _REGEX = r"[A-Z][a-z]{2,9} [0-9]{1,4}, [A-Z]{2} [0-9]{5}"
-STRUCTURED_OUTPUTS: dict[str, tuple[dict[str, Any], Callable[[str], bool]]] = {
-    "json": ({"json": _JSON_SCHEMA}, lambda text: _is_json_object(text)),
-    "choice": ({"choice": _CHOICES}, lambda text: text in _CHOICES),
-    "regex": ({"regex": _REGEX}, lambda text: re.fullmatch(_REGEX, text) is not None),
+# What every request of such a run asks (constrained or not: the same requests, so their TPOT
+# compares), the constraint, and the check.
+STRUCTURED_OUTPUTS: dict[str, tuple[str, dict[str, Any], Callable[[str], bool]]] = {
+    "json": (f"Write an example user profile as JSON following this schema: {json.dumps(_JSON_SCHEMA)}",
+             {"json": _JSON_SCHEMA}, lambda text: _is_json_object(text)),
+    "choice": ("Is this review positive, negative, neutral or mixed? 'Great cast, far too long.'",
+               {"choice": _CHOICES}, lambda text: text in _CHOICES),
+    "regex": ("Write a street address in the form 'Market 12, CA 94105':",
+              {"regex": _REGEX}, lambda text: re.fullmatch(_REGEX, text) is not None),
 }
 
 
@@ -69,10 +74,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-delay", type=float, default=5.0,
                         help="Seconds after the first request is sent.")
     parser.add_argument("--structured-output", choices=sorted(STRUCTURED_OUTPUTS), default=None,
-                        help="Constrain requests (vLLM's structured_outputs field): a JSON schema, a regex or a choice; "
-                             "the report compares their TPOT with the unconstrained requests of the same run.")
+                        help="Send every request one instruction and constrain some (vLLM's structured_outputs "
+                             "field): a JSON schema, a regex or a choice; the report checks their outputs and "
+                             "compares their TPOT with the unconstrained requests of the same run.")
     parser.add_argument("--structured-output-ratio", type=float, default=1.0,
-                        help="Share of the requests constrained (spread evenly over the run).")
+                        help="Share of the requests constrained, spread evenly over the run (0: none, for a "
+                             "baseline of the same requests).")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000.")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -158,17 +165,21 @@ def send_times(args: argparse.Namespace, num_requests: int, num_burst: int) -> l
     return [*times.tolist(), *[args.burst_delay] * num_burst]
 
 
-def constrain(requests: list[SampleRequest], kind: str | None, ratio: float) -> list[bool]:
-    """Give `kind`'s constraint to a `ratio` share of the requests, spread evenly (request i is
-    constrained when floor((i + 1) * ratio) > floor(i * ratio)); which ones were."""
+def constrain(requests: list[SampleRequest], kind: str | None, ratio: float, tokenizer: Any) -> list[bool]:
+    """Give every request `kind`'s prompt, and its constraint to a `ratio` share of them, spread
+    evenly (request i is constrained when floor((i + 1) * ratio) > floor(i * ratio)); which
+    ones were."""
     if kind is None:
         return [False] * len(requests)
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError("--structured-output-ratio must be in (0, 1].")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError("--structured-output-ratio must be in [0, 1] (0: the same requests, none constrained).")
+    prompt, constraint, _ = STRUCTURED_OUTPUTS[kind]
+    prompt_token_ids = tokenizer.encode(prompt)
     chosen = [int((i + 1) * ratio) > int(i * ratio) for i in range(len(requests))]
     for request, constrained in zip(requests, chosen, strict=True):
+        request.prompt, request.prompt_token_ids, request.messages = prompt, prompt_token_ids, None
         if constrained:
-            request.structured_outputs = STRUCTURED_OUTPUTS[kind][0]
+            request.structured_outputs = constraint
     return chosen
 
 
@@ -177,7 +188,7 @@ def structured_output_report(traces: list[RequestTrace], constrained: list[bool]
     constrained outputs pass the workload's own check."""
     if kind is None:
         return {}
-    check = STRUCTURED_OUTPUTS[kind][1]
+    check = STRUCTURED_OUTPUTS[kind][2]
     report: dict[str, Any] = {"structured_output": kind}
     for name, group in (("constrained", True), ("free", False)):
         tpots = [1000 * t.tpot for t, c in zip(traces, constrained, strict=True)
@@ -308,7 +319,7 @@ def main(args: argparse.Namespace) -> None:
     requests = build_dataset(args, tokenizer, len(tokenizer))
     times = send_times(args, len(requests), args.burst_num_prompts)
     requests += burst_requests(args, len(tokenizer))
-    constrained = constrain(requests, args.structured_output, args.structured_output_ratio)
+    constrained = constrain(requests, args.structured_output, args.structured_output_ratio, tokenizer)
     if args.endpoint.endswith("chat/completions"):
         for r in requests:
             r.prompt = r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)

@@ -203,8 +203,15 @@ def test_serve_structured_output_against_free_requests(server, tmp_path):
     assert result["output_lens"][0::2] == [12] * 3  # the free ones (requests 1, 3, 5 are constrained)
     assert all(n < 12 for n in result["output_lens"][1::2])  # a choice is a few tokens, then stop
     assert result["constrained_tpot_ms"]["median"] > 0 and result["free_tpot_ms"]["median"] > 0
-    assert bench_serve.constrain([bench_serve.SampleRequest([1], 1) for _ in range(4)], "regex", 0.25) == \
-        [False, False, False, True]
+    requests = [bench_serve.SampleRequest([1], 1) for _ in range(4)]
+    assert bench_serve.constrain(requests, "regex", 0.25, FakeTokenizer()) == [False, False, False, True]
+    assert all(r.prompt == requests[0].prompt and r.prompt_token_ids == [len(r.prompt)] for r in requests)
+    assert [r.structured_outputs is not None for r in requests] == [False, False, False, True]
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [len(text)]
 
 
 def test_engine_step_report_by_hand():

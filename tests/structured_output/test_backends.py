@@ -85,6 +85,21 @@ def test_bitmask_by_hand():
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [31]
 
 
+def test_bitmask_on_random_words_against_shifts():
+    """Every bit of random words, unpacked by shifting in the test, against the table lookup."""
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 40), dtype=torch.int32, generator=generator)
+    logits = torch.randn(7, 40 * 32 - 13, generator=generator)
+    rows = torch.tensor([6, 0, 3, 2, 5])
+    expected = logits.clone()
+    for i, row in enumerate(rows.tolist()):
+        for t in range(logits.shape[1]):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+
+
 def test_auto_picks_xgrammar_then_llguidance_and_refuses_what_neither_takes():
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     assert resolve_backend(StructuredOutputsParams(json=schema), "auto") == "xgrammar"

@@ -5,9 +5,11 @@ constrained and free requests, with chunked prefill, prefix caching and preempti
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
-from schemas import ARITHMETIC, CHOICES, SCHEMAS, check_json, check_regex, parse_arithmetic
+from structured_cases import ARITHMETIC, CHOICES, SCHEMAS, check_json, check_regex, parse_arithmetic
 
 from minivllm import SamplingParams
 from minivllm.sampling_params import StructuredOutputsParams
@@ -28,6 +30,10 @@ def constrained(so: StructuredOutputsParams, temperature: float, seed: int = 0) 
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=200, structured_outputs=so)
 
 
+# (a JSON content would be xgrammar's own JSON grammar, whose whitespace a random model never ends)
+TAGGED = {"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<call>", "end": "</call>", "content": {"type": "regex", "pattern": "[0-9]{2,4}"}}}
+
 # json_object is left to the real model (test_smollm2.py): any object's strings are unbounded,
 # and a random model never closes one.
 CASES = [(StructuredOutputsParams(json=schema), name) for name, schema in SCHEMAS.items()] + [
@@ -35,6 +41,7 @@ CASES = [(StructuredOutputsParams(json=schema), name) for name, schema in SCHEMA
     (StructuredOutputsParams(choice=CHOICES), "choice"),
     (StructuredOutputsParams(grammar=ARITHMETIC), "grammar"),
     (StructuredOutputsParams(json=SCHEMAS["flat"], disable_any_whitespace=True), "compact"),
+    (StructuredOutputsParams(structural_tag=json.dumps(TAGGED)), "structural_tag"),
 ]
 
 
@@ -45,6 +52,8 @@ def check(text: str, name: str) -> None:
         check_json(text, SCHEMAS["flat"])
         # No whitespace outside the strings: the text is its own compact serialization.
         assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    elif name == "structural_tag":
+        assert re.fullmatch(r"<call>[0-9]{2,4}</call>", text), text
     elif name == "regex":
         check_regex(text)
     elif name == "choice":
@@ -71,6 +80,26 @@ def test_every_constraint_holds_in_a_mixed_batch(llm, temperature):
     alone = llm.generate(prompts[1::2], free, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs[1::2]] == [o.outputs[0].token_ids for o in alone]
     assert llm.generate(["ok"], free, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_logprobs_are_those_of_the_masked_distribution(llm, tokenizer_dir):
+    """With logprobs, every token reported with a finite logprob is one the grammar allowed at
+    that position (a prefix of a choice at the first), and the allowed tokens' probabilities sum
+    to at most 1: the distribution after the mask, renormalised over what it allows."""
+    from minivllm.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(tokenizer_dir))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5,
+                            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+    [out] = llm.generate(["Pick one:"], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("alpha", "beta")
+    first = completion.logprobs[0]
+    finite = {t: lp.logprob for t, lp in first.items() if lp.logprob > float("-inf")}
+    assert finite and all(("alpha".startswith(s) or "beta".startswith(s)) and s
+                          for s in (tokenizer.decode([t]) for t in finite))
+    assert sum(math.exp(lp) for lp in finite.values()) <= 1 + 1e-5
+    assert completion.token_ids[0] in finite
 
 
 def test_max_tokens_cuts_a_constrained_reply_with_length(llm):

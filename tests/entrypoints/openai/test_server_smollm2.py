@@ -3,9 +3,13 @@ chat over HTTP is exactly what the offline `LLM.chat` gives, and it is real text
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import reference
 from server_utils import RemoteServer
+from structured_cases import CHOICES, SCHEMAS, conversation, schema_prompt
 
 from minivllm import SamplingParams
 
@@ -53,3 +57,20 @@ def test_greedy_chat_equals_llm_chat_smollm2(smollm2):
         assert choice.finish_reason == "stop"
         assert "4" in choice.message.content
         assert chat.usage.completion_tokens < 40
+
+
+def test_structured_output_with_the_openai_client_smollm2(smollm2):
+    """response_format json_schema and vLLM's structured_outputs: replies that validate."""
+    server, _ = smollm2
+    with server.client() as client:
+        for name in ("nested", "enum", "pattern"):
+            schema = SCHEMAS[name]
+            reply = client.chat.completions.create(
+                model=NAME, messages=schema_prompt(name), max_tokens=150, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+            assert reply.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+        reply = client.chat.completions.create(
+            model=NAME, messages=conversation("Is 'I loved this film' positive, negative or neutral?"),
+            max_tokens=10, temperature=0, extra_body={"structured_outputs": {"choice": CHOICES}})
+        assert reply.choices[0].message.content in CHOICES

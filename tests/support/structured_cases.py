@@ -40,6 +40,27 @@ term ::= factor ("*" factor)*
 factor ::= [0-9]+ | "(" expr ")"'''
 
 
+# Real-model instructions for SCHEMAS (the schema itself follows each in the prompt).
+INSTRUCTIONS = {
+    "flat": "Give a user's name and whether the account is ok, as JSON.",
+    "nested": "Give a user with an id, up to three short tags, and one to three scores, as JSON.",
+    "enum": "Pick a T-shirt colour (red, green or blue) and size (S, M or L), as JSON.",
+    "optional": "Give a number a, and optionally a short word b, as JSON.",
+    "bounded": "Give an adult's age and a small number n between -5 and 5, as JSON.",
+    "pattern": "Give a product code like AB-123, as JSON.",
+    "recursive": 'Copy this tree exactly: {"v": 1, "kids": [{"v": 2}, {"v": 3}]}',
+}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers in the format asked."}
+
+
+def conversation(text: str) -> list[dict[str, str]]:
+    return [SYSTEM, {"role": "user", "content": text}]
+
+
+def schema_prompt(name: str) -> list[dict[str, str]]:
+    return conversation(f"{INSTRUCTIONS[name]} Schema: {json.dumps(SCHEMAS[name])}")
+
+
 def check_json(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 

@@ -43,13 +43,28 @@ def build_grammar(params: StructuredOutputsParams, tokenizer: Any = None) -> str
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    def __init__(self, matcher: Any) -> None:
+    """llguidance stops as soon as nothing can follow; its mask then allows only the stop token.
+    The grammar ends, as xgrammar's does, when that token is accepted too, so a request always
+    ends on a stop token (whose text is not output) and never on a content token."""
+
+    def __init__(self, matcher: Any, stop_token_id: int) -> None:
         self.matcher = matcher
+        self.stop_token_id = stop_token_id
+        self._ended = False
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        return bool(self.matcher.consume_tokens(token_ids)) and not self.matcher.is_error()
+        for token_id in token_ids:
+            if self.matcher.is_stopped():
+                if token_id != self.stop_token_id or self._ended:
+                    return False
+                self._ended = True
+            elif not self.matcher.consume_tokens([token_id]) or self.matcher.is_error():
+                return False
+        return True
 
     def rollback(self, num_tokens: int) -> None:
+        if self._ended and num_tokens > 0:
+            self._ended, num_tokens = False, num_tokens - 1
         self.matcher.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
@@ -58,10 +73,11 @@ class GuidanceGrammar(StructuredOutputGrammar):
         lt.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_stopped()
+        return self._ended
 
     def reset(self) -> None:
         self.matcher.reset()
+        self._ended = False
 
 
 class GuidanceBackend(StructuredOutputBackend):
@@ -79,7 +95,7 @@ class GuidanceBackend(StructuredOutputBackend):
         return build_grammar(params, self.ll_tokenizer)
 
     def new_grammar(self, compiled: Any) -> StructuredOutputGrammar:
-        return GuidanceGrammar(self._llg.LLMatcher(self.ll_tokenizer, compiled))
+        return GuidanceGrammar(self._llg.LLMatcher(self.ll_tokenizer, compiled), self.ll_tokenizer.eos_token)
 
     def allocate_token_bitmask(self, num_rows: int) -> Any:
         import torch

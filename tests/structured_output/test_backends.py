@@ -60,14 +60,18 @@ def test_choice_allows_exactly_the_prefixes_of_the_choices(backend, tokenizer):
     assert not grammar.accept_tokens(tokenizer.encode("X", add_special_tokens=False))
 
 
-def test_grammar_ends_after_a_complete_match(backend, tokenizer):
+def test_grammar_ends_on_the_stop_token_after_a_complete_match(backend, tokenizer):
+    """Complete after "123", the grammar allows only EOS, and ends once it takes it (both
+    backends: llguidance stops matching at once, its grammar state waits for the stop token)."""
     params = StructuredOutputsParams(regex=r"[0-9]{3}", backend=backend.name)
     grammar = backend.new_grammar(backend.compile(params))
     assert grammar.accept_tokens(tokenizer.encode("123", add_special_tokens=False))
-    if not grammar.is_terminated():  # xgrammar ends on the stop token; llguidance at once
-        assert allowed_ids(grammar, backend) == {tokenizer.eos_token_id}
-        assert grammar.accept_tokens([tokenizer.eos_token_id])
-    assert grammar.is_terminated()
+    assert not grammar.is_terminated()
+    assert allowed_ids(grammar, backend) == {tokenizer.eos_token_id}
+    assert not grammar.accept_tokens(tokenizer.encode("4", add_special_tokens=False))
+    assert grammar.accept_tokens([tokenizer.eos_token_id]) and grammar.is_terminated()
+    grammar.rollback(1)  # speculative decoding takes rejected tokens back
+    assert not grammar.is_terminated() and allowed_ids(grammar, backend) == {tokenizer.eos_token_id}
     grammar.reset()
     assert not grammar.is_terminated() and grammar.accept_tokens(tokenizer.encode("9", add_special_tokens=False))
 

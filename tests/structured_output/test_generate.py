@@ -4,6 +4,7 @@ constrained and free requests, with chunked prefill, prefix caching and preempti
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -120,3 +121,30 @@ def test_bad_constraint_is_a_value_error_and_the_engine_goes_on(llm, so, message
         llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
     [out] = llm.generate(["x"], constrained(StructuredOutputsParams(choice=CHOICES), 0.0), use_tqdm=False)
     assert out.outputs[0].text in CHOICES
+
+
+def test_engine_backend_option(make_tiny_model, make_llm):
+    """structured_outputs_config picks the backend for every request: guidance serves what it
+    takes; xgrammar alone refuses what it cannot enforce instead of falling back."""
+    model = make_tiny_model("llama")
+    guidance = make_llm(model, dtype="float32", structured_outputs_config={"backend": "guidance"})
+    [out] = guidance.generate(["x"], constrained(StructuredOutputsParams(choice=CHOICES), 1.0), use_tqdm=False)
+    assert out.outputs[0].text in CHOICES
+    xgrammar = make_llm(model, dtype="float32", structured_outputs_config={"backend": "xgrammar"})
+    with pytest.raises(ValueError, match="xgrammar does not support: multipleOf"):
+        xgrammar.generate(["x"], constrained(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}), 0.0),
+                          use_tqdm=False)
+
+
+def test_backend_option_on_the_command_line():
+    from minivllm.engine.arg_utils import AsyncEngineArgs
+
+    parser = argparse.ArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--structured-outputs-config.backend", "guidance"]))
+    assert args.structured_outputs_config == {"backend": "guidance"}
+    assert AsyncEngineArgs.from_cli_args(parser.parse_args([])).structured_outputs_config is None
+    with pytest.raises(ValueError, match="must be one of auto, xgrammar, guidance"):
+        AsyncEngineArgs(structured_outputs_config={"backend": "outlines"}).create_engine_config()
+    with pytest.raises(ValueError, match="Unknown structured_outputs_config keys: bogus"):
+        AsyncEngineArgs(structured_outputs_config={"bogus": 1}).create_engine_config()

@@ -517,8 +517,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> bool:
         """Whether the request's last token ends it (and with which status and stop reason). A
-        structured-output request also ends when its grammar is complete (xgrammar: it accepted
-        a stop token; llguidance: nothing can follow), whatever min_tokens asks."""
+        structured-output request also ends when its grammar has accepted its stop token (with
+        ignore_eos, or a stop token of the vocabulary that is not EOS), whatever min_tokens asks:
+        nothing can follow."""
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

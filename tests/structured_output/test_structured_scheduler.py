@@ -49,14 +49,19 @@ def structured(request_id: str, prompt_len: int, max_tokens: int = 50) -> Reques
     return Request(request_id, [100 + i for i in range(prompt_len)], params, eos_token_id=None)
 
 
-def test_compiling_waits_without_blocking_then_joins_samples_and_ends():
-    scheduler = create_scheduler(max_num_batched_tokens=32)
+def engine_with(structured_request: Request, plain_max_tokens: int, **kwargs) -> tuple:
+    """A scheduler with the stand-in manager, the structured request and an 8-token plain one."""
+    scheduler = create_scheduler(**kwargs)
     scheduler.structured_output_manager = manager = FakeManager()
-    worker = FakeWorker()
-    slow = structured("so", prompt_len=40)
-    (plain,) = create_requests(1, prompt_len=8, max_tokens=30, ignore_eos=True, id_prefix="p")
-    scheduler.add_request(slow)
+    (plain,) = create_requests(1, prompt_len=8, max_tokens=plain_max_tokens, ignore_eos=True, id_prefix="p")
+    scheduler.add_request(structured_request)
     scheduler.add_request(plain)
+    return scheduler, manager, FakeWorker()
+
+
+def test_compiling_waits_without_blocking_then_joins_samples_and_ends():
+    slow = structured("so", prompt_len=40)
+    scheduler, manager, worker = engine_with(slow, 30, max_num_batched_tokens=32)
     so, _ = step(scheduler, worker)
     assert slow.status == RequestStatus.WAITING_FOR_FSM and "so" not in so.num_scheduled_tokens
     assert so.num_scheduled_tokens == {"p0": 8} and not so.structured_output_request_ids
@@ -77,13 +82,7 @@ def test_compiling_waits_without_blocking_then_joins_samples_and_ends():
 
 
 def test_a_failed_compile_finishes_that_request_alone_with_its_error():
-    scheduler = create_scheduler()
-    scheduler.structured_output_manager = manager = FakeManager()
-    worker = FakeWorker()
-    broken = structured("broken", prompt_len=10)
-    (plain,) = create_requests(1, prompt_len=8, max_tokens=5, ignore_eos=True, id_prefix="p")
-    scheduler.add_request(broken)
-    scheduler.add_request(plain)
+    scheduler, manager, worker = engine_with(structured("broken", prompt_len=10), 5)
     manager.futures["broken"].set_exception(RuntimeError("no such rule"))
     so, outs = step(scheduler, worker)
     assert so.num_scheduled_tokens == {"p0": 8}

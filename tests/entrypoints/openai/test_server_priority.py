@@ -20,10 +20,11 @@ def test_higher_priority_overtakes_in_the_queue(tiny_llama_dir):
             assert response.status_code == 200, response.text
             finished.append(name)
 
-        # The one seat is taken by a long request; four more wait behind it, each sent with a
+        # The one seat is taken by a long request (1000 tokens: seconds even for the tiny model,
+        # so the queue is still full when counted); four more wait behind it, each sent with a
         # better (lower) priority than the one before, on alternating routes.
         blocker = threading.Thread(target=send, args=("blocker", "v1/completions",
-                                                      {"prompt": "Hello", "max_tokens": 300}))
+                                                      {"prompt": "Hello", "max_tokens": 1000}))
         blocker.start()
         assert wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 1, 30.0)
         chat = {"messages": [{"role": "user", "content": "Hi"}]}

@@ -228,6 +228,69 @@ class StructuredOutputsConfig:
                              f"got {self.backend!r}.")
 
 
+def _first_set(*values: int | None) -> int:
+    return next(v for v in values if v is not None)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config keys): a proposer drafts
+    num_speculative_tokens tokens per running request each step, and the target verifies them
+    in its next forward."""
+
+    method: str
+    """ngram (prompt lookup), draft_model (a smaller model with the same vocabulary), eagle or
+    eagle3 (a draft head over the target's hidden states)."""
+    num_speculative_tokens: int
+    """Draft tokens per request and step (k)."""
+    model: str | None = None
+    """The drafter's checkpoint (draft_model, eagle, eagle3): HF directory or .gguf file."""
+    prompt_lookup_min: int | None = None
+    """ngram: shortest suffix n-gram looked up (default: prompt_lookup_max, or 5)."""
+    prompt_lookup_max: int | None = None
+    """ngram: longest suffix n-gram looked up (default: prompt_lookup_min, or 5)."""
+    draft_model_config: ModelConfig | None = None
+    """The drafter's resolved model config (set by EngineArgs for the methods with a model)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}.")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}.")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config method 'ngram' takes no model.")
+            if not 1 <= self.lookup_min <= self.lookup_max:
+                raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+        elif self.model is None:
+            raise ValueError(f"speculative_config method {self.method!r} needs a model (the drafter's path).")
+
+    @property
+    def lookup_min(self) -> int:
+        return _first_set(self.prompt_lookup_min, self.prompt_lookup_max, 5)
+
+    @property
+    def lookup_max(self) -> int:
+        return _first_set(self.prompt_lookup_max, self.prompt_lookup_min, 5)
+
+    @property
+    def uses_draft_kv(self) -> bool:
+        """Whether the proposer runs a model with KV cache pages of its own."""
+        return self.method != "ngram"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a request needs past its verified tokens each step: a drafter writes the KV of
+        its k draft positions there (n-gram lookup writes none)."""
+        return self.num_speculative_tokens if self.uses_draft_kv else 0
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     model_config: ModelConfig
@@ -236,3 +299,4 @@ class VllmConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None

@@ -70,6 +70,10 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.free(request_id)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.trim(request_id, num_tokens)
+
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
             manager.req_to_blocks.get(request_id, []) for manager in self.single_type_managers

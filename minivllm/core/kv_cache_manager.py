@@ -94,10 +94,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Make room for `num_new_tokens` more tokens of `request` after its computed ones
         (and after `new_computed_blocks`, the cache hit of a request being admitted). The new
-        tokens may include draft tokens (speculative decoding): they get slots too.
+        tokens may include draft tokens (speculative decoding): they get slots too, and so do
+        `num_lookahead_tokens` more after them, where a drafter writes the KV of its drafts.
 
         Returns the ids of the newly allocated blocks per KV cache group (possibly empty lists),
         or None when the pool does not have enough free blocks for all groups — the scheduler
@@ -114,7 +116,7 @@ class KVCacheManager:
         new_blocks = self.coordinator.allocate_slots(
             request.request_id,
             request.num_computed_tokens,
-            num_tokens,
+            num_tokens + num_lookahead_tokens,
             hit_blocks,
         )
         if new_blocks is None:
@@ -128,6 +130,12 @@ class KVCacheManager:
             num_known_tokens = min(num_tokens, request.num_tokens)
             self.coordinator.cache_blocks(request, block_hashes, num_known_tokens)
         return tuple([block.block_id for block in blocks] for blocks in new_blocks)
+
+    def trim(self, request: Request) -> None:
+        """Speculative decoding, after a step: give back the blocks past the request's computed
+        tokens, which only rejected drafts and lookahead slots used. A running request then
+        holds exactly the blocks of its computed tokens (the worker trims its tables alike)."""
+        self.coordinator.trim(request.request_id, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Return all blocks of a finished or preempted request to the pool (tail first)."""

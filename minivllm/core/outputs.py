@@ -44,6 +44,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: LogprobsArrays | None = None
     # req_id -> logprobs of the prompt tokens this step's chunk predicted (one row per token).
     prompt_logprobs: dict[str, LogprobsArrays] = msgspec.field(default_factory=dict)
+    # Speculative decoding: the proposer's drafts for the next step, one list per request
+    # (empty when none); [] when the engine does not speculate.
+    draft_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -98,6 +101,33 @@ STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.
 STEP_COST_ERROR_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0)
 
 
+class SpecDecodingStats(msgspec.Struct, gc=False):
+    """Counters of draft verification (vLLM's spec_decode metrics): drafts verified (requests
+    that had drafts in a step), their tokens, the tokens accepted, and accepted per position
+    (position j counts drafts whose first j + 1 tokens were all accepted)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
+
+
 class SchedulerStats(msgspec.Struct, gc=False):
     """The scheduler's state after a step: gauges, and counters that only grow (so a reader may
     skip snapshots without losing counts)."""
@@ -114,3 +144,4 @@ class SchedulerStats(msgspec.Struct, gc=False):
     # Steps the cost model predicted (it is ready after its first steps): how far off it was.
     step_cost_error: Histogram = msgspec.field(default_factory=lambda: Histogram(STEP_COST_ERROR_BUCKETS))
     num_steps_over_budget: int = 0  # steps that took longer than max_step_ms (when set)
+    spec_decoding: SpecDecodingStats | None = None  # when the engine speculates

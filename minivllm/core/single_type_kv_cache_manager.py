@@ -79,6 +79,16 @@ class SingleTypeKVCacheManager(ABC):
         )
         self.num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (tail first).
+
+        NOTE: they hold no cached block: only blocks of computed known tokens are cached."""
+        blocks = self.req_to_blocks[request_id]
+        num_kept = cdiv(num_tokens, self.block_size)
+        if len(blocks) > num_kept:
+            self.block_pool.free_blocks(reversed(blocks[num_kept:]))
+            del blocks[num_kept:]
+
     def free(self, request_id: str) -> None:
         """Return all blocks of the request to the pool.
 

@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 from dataclasses import dataclass
 from typing import Any, ClassVar, get_type_hints
@@ -23,6 +24,7 @@ from minivllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     VllmConfig,
     default_max_step_ms,
@@ -98,6 +100,13 @@ class EngineArgs:
     structured_outputs_config: dict[str, str] | None = None
     """Structured outputs: {"backend": "auto" | "xgrammar" | "guidance"} (default auto: xgrammar,
     llguidance for what xgrammar cannot compile); --structured-outputs-config.backend."""
+    speculative_config: dict[str, Any] | str | None = None
+    """Speculative decoding, as a dict (a JSON object on the command line) with vLLM's keys:
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b},
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": k} (a smaller model with the
+    same vocabulary; "dtype" sets its own dtype, default: what its checkpoint asks for), or
+    {"method": "eagle" | "eagle3", "model": PATH, "num_speculative_tokens": k} (an EAGLE head).
+    Output is unchanged: greedy output token for token, sampled output in distribution."""
     tensor_parallel_size: int = 1
     """Workers the model is sharded over (only 1 for now)."""
     data_parallel_size: int = 1
@@ -118,6 +127,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         SchedulingPolicy.parse(self.scheduling_policy)
         self._create_structured_outputs_config()
+        self._speculative_options()
         self._create_cache_config()
         self._create_parallel_config()
 
@@ -160,7 +170,62 @@ class EngineArgs:
         return VllmConfig(
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),
             self._create_parallel_config(), self._create_structured_outputs_config(),
+            self._create_speculative_config(model_config, device),
         )
+
+    def _speculative_options(self) -> dict[str, Any] | None:
+        """The speculative_config dict (parsed from JSON when given as a string), its method
+        filled in as vLLM does when only a model is named."""
+        options: Any = self.speculative_config
+        if options is None:
+            return None
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict (a JSON object), got {options!r}.")
+        options = dict(options)
+        unknown = set(options) - _SPECULATIVE_KEYS
+        if unknown:
+            raise ValueError(f"Unknown speculative_config keys: {', '.join(sorted(unknown))} "
+                             f"(known: {', '.join(sorted(_SPECULATIVE_KEYS))}).")
+        model = options.get("model")
+        if model == "[ngram]":
+            options.pop("model")
+            options.setdefault("method", "ngram")
+        elif "method" not in options and isinstance(model, str):
+            name = model.lower()
+            options["method"] = "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
+        if "method" not in options or "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs 'method' (or a 'model') and 'num_speculative_tokens'.")
+        if options.get("model") is not None:
+            options["model"] = resolve_model_path(options["model"])
+        SpeculativeConfig(**{k: v for k, v in options.items() if k != "dtype"})  # check the keys' values now
+        return options
+
+    def _create_speculative_config(self, target: ModelConfig, device: str) -> SpeculativeConfig | None:
+        options = self._speculative_options()
+        if options is None:
+            return None
+        dtype = options.pop("dtype", "auto")
+        config = SpeculativeConfig(**options)
+        if config.model is None:
+            return config
+        hf_config = get_config(config.model)
+        if config.method == "draft_model":
+            check_architecture(getattr(hf_config, "architectures", None))
+            dtype = self._resolve_dtype(hf_config, config.model, device, dtype)
+        else:
+            dtype = target.dtype  # the head shares the target's embedding and lm_head
+        target_vocab, draft_vocab = target.hf_config.vocab_size, hf_config.vocab_size
+        if draft_vocab != target_vocab:
+            raise ValueError(f"The draft model {config.model!r} has a vocabulary of {draft_vocab} tokens, "
+                             f"the target {target_vocab}: speculative decoding needs the same vocabulary.")
+        draft_model_config = dataclasses.replace(
+            target, model=config.model, dtype=dtype, hf_config=hf_config, served_model_name=None)
+        return dataclasses.replace(config, draft_model_config=draft_model_config)
 
     def _resolve_max_step_ms(self, device: str) -> float | None:
         if self.max_step_ms is None:
@@ -197,8 +262,11 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
         )
 
-    def _resolve_dtype(self, hf_config: Any, model_path: str, device: str) -> str:
-        dtype = self.dtype
+    def _resolve_dtype(self, hf_config: Any, model_path: str, device: str, dtype: str | None = None) -> str:
+        """`dtype` (default: the engine's --dtype) made concrete for this checkpoint and device."""
+        dtype = dtype or self.dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
         if dtype == "auto":
             if model_path.endswith(".gguf"):
                 dtype = "bfloat16"
@@ -260,6 +328,8 @@ class EngineArgs:
             kwargs[name] = given or None
         return cls(**kwargs)
 
+
+_SPECULATIVE_KEYS = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"draft_model_config"} | {"dtype"}
 
 # Options that are dicts in Python, one flag per key on the command line.
 _DICT_OPTIONS = {"structured_outputs_config": ("backend",)}

@@ -26,6 +26,7 @@ from minivllm.engine.core_client import AsyncMPClient
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.logger import init_logger
+from minivllm.metrics.loggers import LoggingStatLogger
 from minivllm.metrics.reader import Metric, get_metrics_snapshot
 from minivllm.metrics.stats import EngineStats
 from minivllm.outputs import RequestOutput
@@ -45,6 +46,7 @@ class AsyncLLM:
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats(startup_seconds=time.perf_counter() - start)
+        self.stat_logger = LoggingStatLogger()
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: EngineDeadError | None = None
 
@@ -115,6 +117,7 @@ class AsyncLLM:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
                 processed = self.output_processor.process_outputs(core_outputs, self.stats)
+                self.stat_logger.maybe_log(self.stats)
                 # The outputs are in their queues, but no caller runs before this task awaits
                 # again: the abort of what a stop string finished leaves first, ahead of
                 # anything a caller who saw that output may send (re-using its id, say).

@@ -60,7 +60,7 @@ class EngineCore:
         self.vllm_config = dataclasses.replace(vllm_config, cache_config=cache_config)
         self.structured_output_manager = StructuredOutputManager(self.vllm_config)
         self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config, kv_cache_config,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, self.vllm_config.speculative_config)
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minivllm.core.outputs import Histogram as HistogramStats
+from minivllm.core.outputs import SpecDecodingStats
 from minivllm.metrics.stats import EngineStats
 
 
@@ -73,4 +74,21 @@ def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
                 stats.finished_requests[reason])
         for reason in FINISH_REASONS
     ]
+    if s.spec_decoding is not None:
+        metrics += _spec_decoding_metrics(s.spec_decoding, labels)
     return metrics
+
+
+def _spec_decoding_metrics(spec: SpecDecodingStats, labels: dict[str, str]) -> list[Metric]:
+    """vLLM's: acceptance rate = accepted / draft tokens; mean acceptance length (tokens per
+    verifying step, the bonus token included) = 1 + accepted / drafts."""
+    return [
+        Counter("vllm:spec_decode_num_drafts", labels, "Draft verifications (a request's drafts in a step).",
+                spec.num_drafts),
+        Counter("vllm:spec_decode_num_draft_tokens", labels, "Draft tokens verified.", spec.num_draft_tokens),
+        Counter("vllm:spec_decode_num_accepted_tokens", labels, "Draft tokens accepted.", spec.num_accepted_tokens),
+    ] + [
+        Counter("vllm:spec_decode_num_accepted_tokens_per_pos", {**labels, "position": str(pos)},
+                "Draft tokens accepted at each position.", count)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos)
+    ]

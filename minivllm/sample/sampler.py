@@ -76,16 +76,22 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             return self.argmax(logits)
         greedy = self.argmax(logits) if metadata.is_greedy is not None else None
-        assert metadata.temperature is not None
-        logits = logits / metadata.temperature.unsqueeze(1)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        random = self.argmax(exponential_race(logits.softmax(dim=-1), metadata.generators))
+        random = self.argmax(exponential_race(compute_probs(logits, metadata), metadata.generators))
         if greedy is None:
             return random
         return torch.where(metadata.is_greedy, greedy, random)
+
+
+def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, then min-p, top-k and top-p
+    (greedy rows are computed at temperature 1 and ignored by the caller)."""
+    assert metadata.temperature is not None
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    return logits.softmax(dim=-1)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

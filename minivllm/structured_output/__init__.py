@@ -55,7 +55,10 @@ def resolve_backend(params: StructuredOutputsParams, engine_backend: str) -> str
 class StructuredOutputManager:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.model_config = vllm_config.model_config
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        spec = vllm_config.speculative_config
+        # Bitmask rows a step can need: one per sampled position (a request verifying k drafts
+        # samples at k + 1 positions).
+        self.max_num_rows = vllm_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._lock = threading.Lock()  # backends and the cache, shared by the compile threads
@@ -103,17 +106,30 @@ class StructuredOutputManager:
 
         return XgrammarBackend(self._tokenizer, vocab_size)
 
-    def grammar_bitmask(self, requests: list[Request]) -> Any:
-        """The allowed next tokens of each request (rows in the given order), as a numpy int32
-        array [len(requests), ceil(vocab / 32)] (cheap to send to the worker)."""
+    def grammar_bitmask(self, requests: list[Request], spec_tokens: dict[str, list[int]]) -> Any:
+        """The allowed next tokens of each request at each position it samples (rows in the
+        given order; a request with drafts d1..dk gets k + 1 rows: before d1, after d1, ...,
+        after dk, its grammar advanced over the drafts and rolled back), as a numpy int32 array
+        [rows, ceil(vocab / 32)] (cheap to send to the worker)."""
         if self._bitmask is None:
-            self._bitmask = next(iter(self._backends.values())).allocate_token_bitmask(self.max_num_seqs)
-        bitmask = self._bitmask[: len(requests)]
-        for row, request in enumerate(requests):
+            self._bitmask = next(iter(self._backends.values())).allocate_token_bitmask(self.max_num_rows)
+        row = 0
+        for request in requests:
             grammar = request.structured_output_request.grammar  # type: ignore[union-attr]
             assert grammar is not None
-            grammar.fill_bitmask(self._bitmask, row)
-        return bitmask.numpy().copy()
+            drafts = spec_tokens.get(request.request_id, ())
+            num_advanced = 0
+            for i, token_id in enumerate(drafts):
+                grammar.fill_bitmask(self._bitmask, row + i)
+                # A draft the grammar rejects is masked out in its own row, so the target
+                # rejects it: later rows are never reached.
+                if num_advanced == i and not grammar.is_terminated() and grammar.accept_tokens([token_id]):
+                    num_advanced += 1
+            grammar.fill_bitmask(self._bitmask, row + len(drafts))
+            if num_advanced:
+                grammar.rollback(num_advanced)
+            row += 1 + len(drafts)
+        return self._bitmask[:row].numpy().copy()
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -44,6 +44,18 @@ class StructuredOutputGrammar(ABC):
     def reset(self) -> None:
         """Back to the start."""
 
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (draft tokens) the grammar accepts from here; the
+        grammar is left where it was."""
+        num_valid = 0
+        for token_id in token_ids:
+            if self.is_terminated() or not self.accept_tokens([token_id]):
+                break
+            num_valid += 1
+        if num_valid:
+            self.rollback(num_valid)
+        return token_ids[:num_valid]
+
 
 class StructuredOutputBackend(ABC):
     name: str

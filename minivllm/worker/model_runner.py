@@ -20,11 +20,18 @@ import torch
 from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
 from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from minivllm.core.outputs import ModelRunnerOutput
+from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.model.layers.attention import Attention
 from minivllm.model.loader import get_model
 from minivllm.sample.ops.bitmask import apply_token_bitmask
+from minivllm.sample.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    SpecDecodeMetadata,
+)
 from minivllm.sample.sampler import Sampler
+from minivllm.spec_decode import DraftInputs, Proposer, make_proposer
+from minivllm.utils import cdiv
 from minivllm.worker.buffers import CpuGpuBuffer
 from minivllm.worker.graph_runner import BatchDescriptor, GraphRunner
 from minivllm.worker.input_batch import CachedRequestState, InputBatch
@@ -45,9 +52,11 @@ class StepInputs:
     attn_metadata: tuple[Any, ...]  # one backend metadata per KV cache group
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     # The batch rows that sample this step (their last scheduled token is their last known
-    # one, not a mid-prompt chunk's end), and the flat index of that token in each.
+    # one, not a mid-prompt chunk's end), their draft tokens (speculative decoding), and the
+    # flat index of each token sampled after: the last known one and each draft, in order.
     sampled_rows: np.ndarray  # [num_sampled] int64
-    logits_indices: torch.Tensor  # [num_sampled] int64
+    draft_token_ids: list[list[int]]  # per sampled row
+    logits_indices: torch.Tensor  # [num_sampled + num_drafts] int64
     batch_descriptor: BatchDescriptor
 
 
@@ -64,30 +73,41 @@ class ModelRunner:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.attn_backend: AttentionBackend = get_attn_backend(platform, self.dtype, self.model_config.get_head_size())
         self.sampler = Sampler(platform.argmax)
+        spec_config = vllm_config.speculative_config
+        self.num_spec_tokens = spec_config.num_speculative_tokens if spec_config else 0
+        self.rejection_sampler = RejectionSampler(self.sampler) if spec_config else None
+        self.proposer: Proposer | None = make_proposer(vllm_config, device, platform) if spec_config else None
         self.model: Any = None
         # The model's attention layers by name, and what replays recorded forwards (set with
         # the KV cache, whose tensors a recording holds).
         self.attention_layers: dict[str, Attention] = {}
+        self.kv_cache_dtypes: dict[str, str] = {}  # per attention layer (a drafter may differ)
         self.graph_runner: GraphRunner | None = None
         # Every request the worker knows, including preempted ones that left the batch.
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = self._make_input_batch([self.block_size])  # rebuilt per the KV cache's groups
+        self._block_sizes = [self.block_size]
+        self.input_batch = self._make_input_batch(self._block_sizes)  # rebuilt per the KV cache's groups
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
         # Persistent step buffers (buffers.py).
         self.input_ids = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
         self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, torch.int32, device)
-        self.logits_indices = CpuGpuBuffer(self.max_num_reqs, torch.int64, device)
+        self.logits_indices = CpuGpuBuffer(self.max_num_reqs * (1 + self.num_spec_tokens), torch.int64, device)
 
     # ---- set-up ---------------------------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.attention_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
+        self.kv_cache_dtypes = dict.fromkeys(self.attention_layers, self.model_config.dtype)
+        if self.proposer is not None:
+            draft_layers = self.proposer.load_model(self.model)
+            self.attention_layers.update(draft_layers)
+            self.kv_cache_dtypes.update(dict.fromkeys(draft_layers, self.proposer.kv_cache_dtype))
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """How each attention layer uses the KV cache, by layer name."""
-        return {name: layer.get_kv_cache_spec(self.block_size, self.model_config.dtype)
+        """How each attention layer (the drafter's included) uses the KV cache, by layer name."""
+        return {name: layer.get_kv_cache_spec(self.block_size, self.kv_cache_dtypes[name])
                 for name, layer in self.attention_layers.items()}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -98,12 +118,13 @@ class ModelRunner:
             raw = self.platform.zeros(tensor.size, self.device)
             for name in tensor.shared_by:
                 layer = self.attention_layers[name]
-                shape = self.attn_backend.get_kv_cache_shape(
+                shape = layer.backend.get_kv_cache_shape(
                     kv_cache_config.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-                layer.kv_cache = raw.view(self.dtype)[: int(np.prod(shape))].view(shape)
+                dtype = getattr(torch, self.kv_cache_dtypes[name])
+                layer.kv_cache = raw.view(dtype)[: int(np.prod(shape))].view(shape)
                 layer.kv_cache_group_id = group_of[name]
-        self.input_batch = self._make_input_batch(
-            [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups])
+        self._block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+        self.input_batch = self._make_input_batch(self._block_sizes)
         self.requests = {}
         qualname = self.platform.graph_runner_qualname()
         if qualname is None or self.model_config.enforce_eager:
@@ -136,8 +157,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise NotImplementedError("Draft tokens were scheduled, but this worker has no rejection sampler.")
         self._update_states(scheduler_output)
         batch = self.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -152,38 +171,71 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden_states, batch, self.requests, step.query_start_loc, prompt_logprobs_rows)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        draft_token_ids: list[list[int]] = []
         logprobs = None
         if len(step.sampled_rows):
             logits = self.model.compute_logits(hidden_states if pruned else hidden_states[step.logits_indices])
             if scheduler_output.structured_output_request_ids:
-                self._apply_grammar_bitmask(logits, scheduler_output, step.sampled_rows)
-            sampler_output = self.sampler(logits, batch.sampling.make_metadata(step.sampled_rows))
-            # NOTE: the step's one device-to-host copy.
-            new_token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
+                self._apply_grammar_bitmask(logits, scheduler_output, step)
+            new_token_ids, logprobs = self._sample(logits, step)
             batch.append_sampled_token_ids(step.sampled_rows, new_token_ids)
             for row, token_ids in zip(step.sampled_rows.tolist(), new_token_ids, strict=True):
                 sampled_token_ids[row] = token_ids
-            if sampler_output.logprobs_tensors is not None:
-                logprobs = sampler_output.logprobs_tensors.to_arrays()
+            if self.proposer is not None:
+                drafts = self.proposer.propose(DraftInputs(
+                    batch, step.sampled_rows, new_token_ids, step.draft_token_ids,
+                    self.input_ids.np[: step.batch_descriptor.num_tokens], step.query_start_loc))
+                draft_token_ids = [[] for _ in range(batch.num_reqs)]
+                for row, ids in zip(step.sampled_rows.tolist(), drafts, strict=True):
+                    draft_token_ids[row] = ids
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
 
-    def _apply_grammar_bitmask(
-        self, logits: torch.Tensor, scheduler_output: SchedulerOutput, sampled_rows: np.ndarray
-    ) -> None:
+    def _sample(self, logits: torch.Tensor, step: StepInputs) -> tuple[list[list[int]], LogprobsArrays | None]:
+        """Each sampled row's new tokens (one, or with drafts: the accepted ones and one more)
+        and the logprobs rows of those tokens."""
+        sampling = self.input_batch.sampling
+        if self.rejection_sampler is None or not any(step.draft_token_ids):
+            sampler_output = self.sampler(logits, sampling.make_metadata(step.sampled_rows))
+            # NOTE: the step's one device-to-host copy.
+            new_token_ids = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
+            tensors = sampler_output.logprobs_tensors
+            return new_token_ids, tensors.to_arrays() if tensors is not None else None
+        drafts = step.draft_token_ids
+        rows = np.repeat(step.sampled_rows, [1 + len(ids) for ids in drafts])
+        prefixes = [ids[:j] for ids in drafts for j in range(len(ids) + 1)]
+        output = self.rejection_sampler(
+            logits, sampling.make_metadata(rows, prefixes), SpecDecodeMetadata.make(drafts, logits.device))
+        new_token_ids = [[t for t in ids if t != PLACEHOLDER_TOKEN_ID] for ids in output.output_token_ids.tolist()]
+        if output.logprobs_tensors is None:
+            return new_token_ids, None
+        # The logits rows of the emitted tokens: the first len(new) of each request's rows.
+        starts = np.cumsum([0] + [1 + len(ids) for ids in drafts[:-1]])
+        emitted = np.concatenate([start + np.arange(len(ids)) for start, ids in zip(starts, new_token_ids, strict=True)])
+        arrays = output.logprobs_tensors.to_arrays()
+        return new_token_ids, LogprobsArrays(*(a[emitted] for a in arrays))
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, scheduler_output: SchedulerOutput, step: StepInputs) -> None:
         """Mask the structured-output rows before the sampler (so logprobs, penalties and
-        sampling all see the masked distribution, as in vLLM)."""
+        sampling all see the masked distribution, as in vLLM). A request verifying k drafts has
+        k + 1 logits rows and k + 1 bitmask rows, both consecutive."""
         index = self.input_batch.req_id_to_index
-        items = scheduler_output.structured_output_request_ids.items()
-        # sampled_rows is sorted: a batch row's logits row is its rank there.
-        logits_rows = np.searchsorted(sampled_rows, [index[req_id] for req_id, _ in items])
-        bitmask = scheduler_output.grammar_bitmask[[row for _, row in items]]
+        num_logits = np.array([1 + len(ids) for ids in step.draft_token_ids])
+        first_logits_row = np.cumsum(num_logits) - num_logits
+        logits_rows, bitmask_rows = [], []
+        for req_id, first_bitmask_row in scheduler_output.structured_output_request_ids.items():
+            # sampled_rows is sorted: a batch row's rank there is its index among sampled rows.
+            i = int(np.searchsorted(step.sampled_rows, index[req_id]))
+            logits_rows.append(first_logits_row[i] + np.arange(num_logits[i]))
+            bitmask_rows.append(first_bitmask_row + np.arange(num_logits[i]))
+        bitmask = scheduler_output.grammar_bitmask[np.concatenate(bitmask_rows)]
         apply_token_bitmask(logits, torch.from_numpy(bitmask).to(logits.device),
-                            torch.from_numpy(logits_rows).to(logits.device))
+                            torch.from_numpy(np.concatenate(logits_rows)).to(logits.device))
 
     def _run_model(self, step: StepInputs, pruned: bool) -> torch.Tensor:
         """The forward: replayed when the graph runner can, else eager (pruning the last layer to
@@ -233,14 +285,26 @@ class ModelRunner:
             if resumed:
                 state.block_ids = tuple(list(ids) for ids in new_block_ids)
             else:
-                for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                for ids, new_ids, block_size in zip(state.block_ids, new_block_ids, self._block_sizes,
+                                                    strict=True):
+                    if self.proposer is not None:
+                        # The scheduler gave back the blocks past the computed tokens (KVCacheManager.trim).
+                        del ids[cdiv(num_computed, block_size):]
                     ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 batch.add_request(state)
             else:
                 batch.num_computed_tokens_cpu[row] = num_computed
-                batch.block_table.append_row(row, new_block_ids)
+                if self.proposer is not None:
+                    batch.block_table.add_row(row, state.block_ids)
+                else:
+                    batch.block_table.append_row(row, new_block_ids)
+        # Draft tokens follow each row's known tokens (they are inputs, not yet its tokens).
+        for req_id, draft_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_index[req_id]
+            start = batch.num_tokens[row]
+            batch.token_ids_cpu[row, start : start + len(draft_ids)] = draft_ids
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
@@ -261,10 +325,18 @@ class ModelRunner:
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
         seq_lens = num_computed + num_scheduled
 
-        # Sample only where the request has computed all its known tokens (not mid-prompt).
+        # Sample only where the request has computed all its known tokens (not mid-prompt): at
+        # its last known token and at each draft token after it.
         sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
-        logits_indices = self.logits_indices.np[: len(sampled_rows)]
-        np.subtract(query_start_loc[sampled_rows + 1], 1, out=logits_indices)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        req_ids = batch.req_ids
+        draft_token_ids = [spec_tokens.get(req_ids[row], []) for row in sampled_rows.tolist()]
+        num_logits = np.fromiter((1 + len(ids) for ids in draft_token_ids), np.int64, len(sampled_rows))
+        cu_num_logits = np.cumsum(num_logits)
+        num_logits_total = int(cu_num_logits[-1]) if len(cu_num_logits) else 0
+        logits_indices = self.logits_indices.np[:num_logits_total]
+        np.add(np.repeat(query_start_loc[sampled_rows + 1] - cu_num_logits, num_logits),
+               self._arange[:num_logits_total], out=logits_indices)
 
         attn_metadata = tuple(
             self.attn_backend.build_metadata(CommonAttentionMetadata(
@@ -284,6 +356,7 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             query_start_loc=query_start_loc,
             sampled_rows=sampled_rows,
-            logits_indices=self.logits_indices.copy_to_gpu(len(sampled_rows)),
+            draft_token_ids=draft_token_ids,
+            logits_indices=self.logits_indices.copy_to_gpu(num_logits_total),
             batch_descriptor=BatchDescriptor(num_tokens=total, uniform_decode=total == num_reqs),
         )

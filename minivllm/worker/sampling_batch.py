@@ -131,49 +131,64 @@ class SamplingBatch:
 
     # ---- per-step metadata ------------------------------------------------------------------
 
-    def make_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling parameters of `rows` (the batch rows sampled this step), in that order."""
+    def make_metadata(self, rows: np.ndarray, draft_prefixes: list[list[int]] | None = None) -> SamplingMetadata:
+        """Sampling parameters of `rows` (the batch rows sampled this step), in that order.
+
+        Speculative decoding samples a row at several positions: `rows` then repeats it, and
+        `draft_prefixes` gives each entry the draft tokens before its position, which count as
+        output for min_tokens, bad words and penalties there."""
         max_num_logprobs = int(self.num_logprobs[rows].max()) if len(rows) else -1
         metadata = SamplingMetadata(
             temperature=None, is_greedy=None, all_greedy=True, top_p=None, top_k=None, min_p=None,
             generators={}, max_num_logprobs=None if max_num_logprobs < 0 else max_num_logprobs,
-            edits=self._make_edits(rows), penalties=self._make_penalties(rows),
+            edits=self._make_edits(rows, draft_prefixes), penalties=self._make_penalties(rows, draft_prefixes),
         )
         temperature = self.temperature[rows]
         is_greedy = temperature == 0.0
         if is_greedy.all():
             return metadata
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
-        row_of = {int(row): i for i, row in enumerate(rows)}
         metadata.all_greedy = False
         metadata.temperature = self._to_device(np.where(is_greedy, 1.0, temperature).astype(np.float32))
         metadata.is_greedy = self._to_device(is_greedy) if is_greedy.any() else None
         metadata.top_p = self._to_device(top_p) if (top_p < 1.0).any() else None
         metadata.top_k = self._to_device(np.where(top_k > 0, top_k, _NO_TOP_K)) if (top_k > 0).any() else None
         metadata.min_p = self._to_device(min_p) if (min_p > 0.0).any() else None
-        metadata.generators = {row_of[row]: g for row, g in self.generators.items() if row in row_of}
+        # NOTE: a row sampled at several positions draws from its generator in position order.
+        metadata.generators = {i: g for i, row in enumerate(rows.tolist()) if (g := self.generators.get(row))}
         return metadata
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
 
-    def _make_penalties(self, rows: np.ndarray) -> PenaltyState | None:
+    def _make_penalties(self, rows: np.ndarray, draft_prefixes: list[list[int]] | None) -> PenaltyState | None:
         penalised = self.has_penalties[rows]
         if not penalised.any():
             return None
         assert self.prompt_mask is not None and self.output_counts is not None
         batch_rows = self._to_device(rows[penalised].astype(np.int64))
+        output_counts = self.output_counts[batch_rows]
+        if draft_prefixes is not None:
+            prefixes = [draft_prefixes[i] for i in np.flatnonzero(penalised).tolist()]
+            entries = [j for j, prefix in enumerate(prefixes) for _ in prefix]
+            if entries:
+                tokens = [t for prefix in prefixes for t in prefix]
+                output_counts.index_put_((self._index(entries), self._index(tokens)),
+                                         torch.ones(len(tokens), dtype=torch.int32, device=self.device), accumulate=True)
         return PenaltyState(
             rows=self._to_device(np.flatnonzero(penalised)),
             prompt_mask=self.prompt_mask[batch_rows],
-            output_counts=self.output_counts[batch_rows],
+            output_counts=output_counts,
             repetition=self._to_device(self.repetition[rows][penalised]),
             frequency=self._to_device(self.frequency[rows][penalised]),
             presence=self._to_device(self.presence[rows][penalised]),
         )
 
-    def _make_edits(self, rows: np.ndarray) -> SparseLogitsEdits | None:
-        under_min = self.num_tokens[rows] - self.num_prompt_tokens[rows] < self.min_tokens[rows]
+    def _make_edits(self, rows: np.ndarray, draft_prefixes: list[list[int]] | None) -> SparseLogitsEdits | None:
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        if draft_prefixes is not None:
+            num_output = num_output + np.fromiter(map(len, draft_prefixes), np.int32, len(rows))
+        under_min = num_output < self.min_tokens[rows]
         needs = self.has_edits[rows] | under_min
         if not needs.any():
             return None
@@ -195,8 +210,8 @@ class SamplingBatch:
             tokens = list(self.stop_ids[row]) if under_min[i] else []
             if params.bad_words_token_ids:
                 longest_prefix = max(len(word) for word in params.bad_words_token_ids) - 1
-                output = self._output_token_ids(row)
-                tail = output[len(output) - min(longest_prefix, len(output)) :].tolist()
+                output = self._output_token_ids(row).tolist() + (draft_prefixes[i] if draft_prefixes else [])
+                tail = output[len(output) - min(longest_prefix, len(output)) :]
                 tokens += banned_bad_words(tail, params.bad_words_token_ids)
             banned[0].extend([i] * len(tokens))
             banned[1].extend(tokens)

@@ -36,7 +36,7 @@ class FakeManager:
     def grammar_init(self, request: Request) -> None:
         self.futures[request.request_id] = request.structured_output_request.future = Future()
 
-    def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
+    def grammar_bitmask(self, requests: list[Request], spec_tokens: dict[str, list[int]]) -> np.ndarray:
         bitmask = np.zeros((len(requests), 4), np.int32)
         for row, request in enumerate(requests):
             request.structured_output_request.grammar.fill_bitmask(bitmask, row)

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from minivllm.core.block_pool import KVCacheBlock
 from minivllm.core.kv_cache_interface import (
     FullAttentionSpec,
@@ -108,6 +108,7 @@ def create_scheduler(
     long_prefill_token_threshold: int = 0,
     max_num_partial_prefills: int = 1,
     max_step_ms: float | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
     `num_kv_cache_groups` KV cache groups.
@@ -134,7 +135,7 @@ def create_scheduler(
         prefix_caching_hash_algo=prefix_caching_hash_algo,
     )
     kv_cache_config = make_kv_cache_config(num_blocks, block_size, num_kv_cache_groups)
-    return Scheduler(scheduler_config, cache_config, kv_cache_config)
+    return Scheduler(scheduler_config, cache_config, kv_cache_config, speculative_config=speculative_config)
 
 
 def create_requests(

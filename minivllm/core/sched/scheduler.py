@@ -21,16 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from minivllm.config import SchedulingPolicy
-from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minivllm.core.outputs import (
     STEP_SECONDS_BUCKETS,
     EngineCoreOutput,
     Histogram,
     LogprobsArrays,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -39,7 +41,7 @@ from minivllm.core.sched.step_cost import StepBudget, StepCostModel, StepShape
 from minivllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from minivllm.core.kv_cache_interface import KVCacheConfig
     from minivllm.core.outputs import ModelRunnerOutput
     from minivllm.structured_output import StructuredOutputManager
@@ -103,6 +105,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """`kv_cache_config` comes from core/kv_cache_utils.py: get_kv_cache_config, which also
         checks that one request of max_model_len tokens fits (so preemption always makes
@@ -137,6 +140,11 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # Requests whose grammar failed to compile: their error goes out with the next outputs.
         self._failed: list[Request] = []
+        # Speculative decoding: slots each sampling request gets past its scheduled tokens
+        # (where a drafter writes its KV), and the verification counters.
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        self.spec_decoding_stats = (
+            SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None)
 
     # ---- request intake -------------------------------------------------------------------
 
@@ -182,6 +190,7 @@ class Scheduler:
             step_seconds=self.step_seconds.copy(),
             step_cost_error=self.step_cost.error.copy(),
             num_steps_over_budget=self.num_steps_over_budget,
+            spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats else None,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -226,8 +235,12 @@ class Scheduler:
             and request.num_computed_tokens >= request.num_tokens
         ]
         if sampling:
-            output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(sampling)}
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+            spec_tokens = output.scheduled_spec_decode_tokens
+            # k + 1 rows for a request verifying k drafts.
+            first_rows = accumulate((1 + len(spec_tokens.get(r.request_id, ())) for r in sampling[:-1]), initial=0)
+            output.structured_output_request_ids = {
+                r.request_id: row for r, row in zip(sampling, first_rows, strict=True)}
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling, spec_tokens)
 
     def observe_step_time(self, seconds: float) -> None:
         """The measured time of the step last scheduled: the cost model and the budget learn
@@ -263,7 +276,7 @@ class Scheduler:
                 num_new_tokens = self._size_chunk(plan, request, request.num_computed_tokens, num_new_tokens)
                 if num_new_tokens == 0:
                     continue
-            while (blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            while (blocks := self._allocate_slots(request, num_new_tokens)) is None:
                 victim = self._choose_victim()
                 self.running.remove(victim)
                 if victim.request_id in plan.num_scheduled_tokens:  # scheduled earlier in this step
@@ -281,6 +294,16 @@ class Scheduler:
                 self._schedule_spec_tokens(request, num_new_tokens, plan.scheduled_spec_decode_tokens)
             plan.add(request, request.num_computed_tokens, num_new_tokens, blocks)
         return scheduled, preempted
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: KVCacheBlocks | None = None,
+                        num_computed: int | None = None) -> tuple[list[int], ...] | None:
+        """Slots for the step's tokens, and, for a request that samples in this step, the
+        drafter's lookahead slots (within max_model_len)."""
+        num_computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_lookahead = 0
+        if self.num_lookahead_tokens and num_computed + num_new_tokens >= request.num_tokens:
+            num_lookahead = min(self.num_lookahead_tokens, self.max_model_len - num_computed - num_new_tokens)
+        return self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead)
 
     def _size_chunk(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> int:
         """A prefill chunk's tokens (0: none this step), from at most `num_new_tokens` (already
@@ -354,7 +377,7 @@ class Scheduler:
                                               self._cap_chunk(min(num_new_tokens, plan.token_budget)))
             if num_new_tokens == 0:
                 break
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            blocks = self._allocate_slots(request, num_new_tokens, computed_blocks, num_computed)
             if blocks is None:
                 break
             self.waiting.pop_request()
@@ -451,10 +474,11 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        draft_token_ids = model_runner_output.draft_token_ids
         row = 0
-        for req_id, sampled_token_ids in zip(
+        for i, (req_id, sampled_token_ids) in enumerate(zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
+        )):
             first_row, row = row, row + len(sampled_token_ids)
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -463,12 +487,17 @@ class Scheduler:
                 self._take_back_rejected_tokens(
                     request, len(spec_decode_tokens[req_id]), len(sampled_token_ids)
                 )
+            if self.spec_decoding_stats is not None and sampled_token_ids:
+                # NOTE: the worker keeps the same rule (ModelRunner._update_states).
+                self.kv_cache_manager.trim(request)
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not sampled_token_ids and new_prompt_logprobs is None:
                 continue
             new_token_ids = self._append_output_tokens(request, sampled_token_ids)
             if request.is_finished():
                 stopped[req_id] = None
+            elif draft_token_ids and draft_token_ids[i]:
+                self._update_draft_token_ids(request, draft_token_ids[i])
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -488,17 +517,27 @@ class Scheduler:
                 self._free_request(self.requests[req_id])
         return outputs
 
-    @staticmethod
     def _take_back_rejected_tokens(
-        request: Request, num_draft_tokens: int, num_sampled_tokens: int
+        self, request: Request, num_draft_tokens: int, num_sampled_tokens: int
     ) -> None:
         """A request that verified k draft tokens and got m tokens back accepted m - 1 of them:
-        the k + 1 - m tokens computed after the last accepted one are not part of it.
+        the k + 1 - m tokens computed after the last accepted one are not part of it. The next
+        step writes the KV of the right tokens over their slots."""
+        num_accepted = num_sampled_tokens - 1
+        request.num_computed_tokens -= num_draft_tokens - num_accepted
+        if self.spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
 
-        NOTE: the blocks of the rejected tokens stay with the request; the next step writes
-        the KV of the right tokens over them.
-        """
-        request.num_computed_tokens -= num_draft_tokens + 1 - num_sampled_tokens
+    def _update_draft_token_ids(self, request: Request, draft_token_ids: list[int]) -> None:
+        """Keep the drafts the next step can use: no more than max_tokens and max_model_len
+        leave room for (a step emits its accepted drafts and one more token), and for a
+        structured-output request only those its grammar accepts."""
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        drafts = draft_token_ids[: max(room, 0)]
+        so_request = request.structured_output_request
+        if drafts and so_request is not None:
+            drafts = so_request.grammar.validate_tokens(drafts)  # type: ignore[union-attr]
+        request.spec_token_ids = drafts
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append the tokens one at a time until one stops the request; the tokens appended."""

@@ -42,14 +42,16 @@ STACKED_PARAMS = {
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+        input_size: int | None = None,
     ) -> None:
+        """input_size: the width q/k/v read, hidden_size when None (EAGLE-3's layer reads 2x)."""
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = get_head_size(config)
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVLinear(input_size or hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.rotary_emb = rotary_emb
@@ -97,12 +99,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool
+        self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+        input_layernorm: bool = True,
     ) -> None:
+        """input_layernorm=False: attention reads the layer's input as is (EAGLE-1's first layer).
+        NOTE: such a layer must be a first one (called with residual None)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, rotary_emb, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_layernorm else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -117,7 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         written and attended; only these go through o_proj and the MLP."""
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            if self.input_layernorm is not None:
+                hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata, logits_indices)
@@ -199,39 +205,51 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some checkpoints store the tied copy too
-            shard_id = None
-            for ckpt_part, (param_part, shard) in STACKED_PARAMS.items():
-                if ckpt_part in name:
-                    name, shard_id = name.replace(ckpt_part, param_part), shard
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
-            loader = getattr(param, "weight_loader", None)
-            if isinstance(tensor, Q4_1Weight):  # int4 codes kept beside the dequantized weight
-                self.get_submodule(name.rsplit(".", 1)[0]).load_q4_1(tensor, shard_id)
-            elif loader is not None:
-                loader(param, tensor, shard_id)
-            else:
-                default_weight_loader(param, tensor)
-            loaded.add(name if shard_id is None else f"{name}[{shard_id}]")
-        return loaded
+        return load_stacked_weights(self, (
+            (name, tensor) for name, tensor in weights
+            if "rotary_emb.inv_freq" not in name
+            # some checkpoints store the tied copy too
+            and not (name == "lm_head.weight" and self.tie_word_embeddings)
+        ))
 
     def expected_weight_names(self) -> set[str]:
         """What load_weights must have loaded for the model to be complete."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            offsets = getattr(module, "shard_offsets", None)
-            if offsets:
-                names.update(f"{name}[{shard}]" for shard in offsets)
-            else:
-                names.add(name)
-        return names
+        return expected_stacked_names(self)
+
+
+def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy tensors named as the model's parameters but with q/k/v and gate/up unfused (HF names)
+    into them; returns the names loaded, a fused shard as "name[shard]"."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        shard_id = None
+        for ckpt_part, (param_part, shard) in STACKED_PARAMS.items():
+            if ckpt_part in name:
+                name, shard_id = name.replace(ckpt_part, param_part), shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}.")
+        loader = getattr(param, "weight_loader", None)
+        if isinstance(tensor, Q4_1Weight):  # int4 codes kept beside the dequantized weight
+            model.get_submodule(name.rpartition(".")[0]).load_q4_1(tensor, shard_id)
+        elif loader is not None:
+            loader(param, tensor, shard_id)
+        else:
+            default_weight_loader(param, tensor)
+        loaded.add(name if shard_id is None else f"{name}[{shard_id}]")
+    return loaded
+
+
+def expected_stacked_names(model: nn.Module) -> set[str]:
+    """Every parameter of the model as load_stacked_weights names it once loaded."""
+    names: set[str] = set()
+    for name, _ in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        offsets = getattr(module, "shard_offsets", None)
+        if offsets:
+            names.update(f"{name}[{shard}]" for shard in offsets)
+        else:
+            names.add(name)
+    return names

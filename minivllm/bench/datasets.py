@@ -1,6 +1,6 @@
 """Benchmark workloads, built without any download: random token prompts (vLLM's random
-dataset), a ShareGPT-format JSON file given by path, and synthetic multi-turn chats whose turns
-share a growing prefix."""
+dataset), a ShareGPT-format JSON file given by path, synthetic multi-turn chats whose turns
+share a growing prefix, and input-grounded requests (repeat a passage with one edit)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "multiturn")
+from minivllm.bench.grounded import add_grounded_args, grounded_prompt, prompt_overhead, render
+
+DATASETS = ("random", "sharegpt", "multiturn", "grounded")
 DEFAULT_OUTPUT_LEN = 128
 
 
@@ -23,6 +25,7 @@ class SampleRequest:
     prompt: str | None = None  # the text, where the dataset has one
     messages: list[dict[str, str]] | None = None  # the conversation, for chat datasets
     structured_outputs: dict[str, Any] | None = None  # vLLM's request field, when constrained
+    passage: str | None = None  # the text the reply should repeat (grounded)
 
     @property
     def prompt_len(self) -> int:
@@ -36,9 +39,10 @@ def add_dataset_args(parser: argparse.ArgumentParser, random_prefix: str = "") -
     parser.add_argument("--num-prompts", type=int, default=64)
     p = random_prefix
     parser.add_argument(f"--{p}input-len", dest="input_len", type=int, default=320,
-                        help="Mean prompt length in tokens (random).")
+                        help="Mean prompt length in tokens (random); about each prompt's length (grounded).")
     parser.add_argument(f"--{p}output-len", dest="output_len", type=int, default=None,
-                        help="Mean output length in tokens (default 128; sharegpt: each reply's length).")
+                        help="Mean output length in tokens (default 128; sharegpt: each reply's length; "
+                             "grounded: each passage's length).")
     parser.add_argument(f"--{p}range-ratio", dest="range_ratio", type=float, default=0.0,
                         help="Lengths uniform in [len * (1 - r), len * (1 + r)] (random).")
     parser.add_argument(f"--{p}prefix-len", dest="prefix_len", type=int, default=0,
@@ -47,6 +51,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, random_prefix: str = "") -
                         help="With --max-input-len: prompt lengths uniform in [min, max] (random).")
     parser.add_argument("--max-input-len", type=int, default=None)
     parser.add_argument("--num-turns", type=int, default=4, help="Turns per conversation (multiturn).")
+    add_grounded_args(parser)
 
 
 def build_dataset(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[SampleRequest]:
@@ -58,6 +63,9 @@ def build_dataset(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> 
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT-format JSON file).")
         return sharegpt_requests(args.dataset_path, args.num_prompts, tokenizer, args.seed, args.output_len)
+    if args.dataset_name == "grounded":
+        return grounded_requests(args.num_prompts, args.input_len, args.output_len, tokenizer, args.seed,
+                                 args.grounded_kind)
     return multiturn_requests(args.num_prompts, args.num_turns, output_len, tokenizer, args.seed)
 
 
@@ -147,10 +155,32 @@ def multiturn_requests(
         messages = [{"role": "system", "content": sentence(30)}]
         for _ in range(num_turns):
             messages.append({"role": "user", "content": sentence(rng.randint(10, 40))})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = render(tokenizer, messages)
             requests.append(SampleRequest(tokenizer.encode(text, add_special_tokens=False), output_len,
                                           prompt=text, messages=list(messages)))
             messages.append({"role": "assistant", "content": sentence(rng.randint(10, 30))})
             if len(requests) == num_prompts:
                 break
+    return requests
+
+
+def grounded_requests(
+    num_prompts: int, input_len: int, output_len: int | None, tokenizer: Any, seed: int = 0,
+    kind: str = "mixed",
+) -> list[SampleRequest]:
+    """One user message each, a passage with an instruction to repeat it with one edit, rendered
+    with the chat template; about `input_len` tokens in all (template and instruction included,
+    the passage takes the rest). "mixed" alternates prose and code. Request i depends only on
+    (seed, i, kind). Without `output_len`, each asks for its passage's length."""
+    kinds = ["prose", "code"] if kind == "mixed" else [kind]
+    overhead = {k: prompt_overhead(tokenizer, k) for k in kinds}
+    requests = []
+    for i in range(num_prompts):
+        k = kinds[i % len(kinds)]
+        g = grounded_prompt(random.Random(f"grounded-{seed}-{i}"), k, input_len - overhead[k], tokenizer)
+        messages = [{"role": "user", "content": g.content}]
+        text = render(tokenizer, messages)
+        out_len = output_len or len(tokenizer.encode(g.passage, add_special_tokens=False))
+        requests.append(SampleRequest(tokenizer.encode(text, add_special_tokens=False), out_len, prompt=text,
+                                      messages=messages, passage=g.passage))
     return requests

@@ -1,6 +1,6 @@
 """`minivllm bench latency`: one batch of requests run again and again; the end-to-end latency
 of the batch, and each request's time to first token and time per output token (vLLM's
-`bench latency`, plus TTFT/TPOT)."""
+`bench latency`, plus TTFT/TPOT, and the speculative decoding figures when the engine speculates)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,27 @@ from typing import Any
 
 import numpy as np
 
-from minivllm.bench.datasets import random_requests
-from minivllm.bench.throughput import make_llm
-from minivllm.bench.utils import load_hf_model, plot_cdfs, write_json
+from minivllm.bench.datasets import SampleRequest, grounded_requests, random_requests
+from minivllm.bench.grounded import add_grounded_args
+from minivllm.bench.throughput import make_llm, spec_decoding_stats
+from minivllm.bench.utils import (
+    load_hf_model,
+    plot_cdfs,
+    print_rows,
+    spec_decode_report,
+    spec_decode_rows,
+    write_json,
+)
 from minivllm.engine.arg_utils import EngineArgs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset-name", choices=("random", "grounded"), default="random",
+                        help="random token prompts, or grounded ones (repeat a passage with one edit, "
+                             "chat template applied; --input-len is about each prompt's length).")
+    add_grounded_args(parser)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -37,8 +49,7 @@ def main(args: argparse.Namespace) -> None:
     from minivllm import SamplingParams
 
     llm, startup = make_llm(args)
-    vocab = llm.llm_engine.vllm_config.model_config.hf_config.vocab_size
-    batch = random_requests(args.batch_size, args.input_len, args.output_len, vocab, seed=args.seed)
+    batch = make_batch(args, llm)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
 
@@ -60,15 +71,18 @@ def main(args: argparse.Namespace) -> None:
     for _ in range(args.num_iters_warmup):
         run_once()
     latencies, ttfts, tpots = [], [], []
+    spec_before = spec_decoding_stats(llm)
     for _ in range(args.num_iters):
         latency, t, p = run_once()
         latencies.append(latency)
         ttfts += t
         tpots += p
+    spec = spec_decode_report(spec_before, spec_decoding_stats(llm))
     model_config = llm.llm_engine.vllm_config.model_config
     llm.llm_engine.shutdown()
-    result = summarize(latencies, ttfts, tpots) | {"startup_time": startup}
+    result = summarize(latencies, ttfts, tpots) | {"startup_time": startup} | spec
     report("minivllm", result)
+    print_rows(spec_decode_rows(spec))
     if args.hf_compare:
         hf = run_hf(args, [r.prompt_token_ids for r in batch], model_config.model, model_config.dtype)
         report("transformers", hf)
@@ -80,6 +94,14 @@ def main(args: argparse.Namespace) -> None:
     if args.plot:
         plot_cdfs(args.plot, "Latency", {"batch latency": np.array(latencies) * 1000,
                                          "TTFT": np.array(ttfts) * 1000, "TPOT": np.array(tpots) * 1000}, "ms")
+
+
+def make_batch(args: argparse.Namespace, llm: Any) -> list[SampleRequest]:
+    if args.dataset_name == "grounded":
+        return grounded_requests(args.batch_size, args.input_len, args.output_len, llm.get_tokenizer(),
+                                 args.seed, args.grounded_kind)
+    vocab = llm.llm_engine.vllm_config.model_config.hf_config.vocab_size
+    return random_requests(args.batch_size, args.input_len, args.output_len, vocab, seed=args.seed)
 
 
 def report(name: str, result: dict[str, Any]) -> None:
@@ -104,13 +126,15 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], model_path: str, 
             return scores
 
     model, startup = load_hf_model(model_path, dtype)
-    input_ids = torch.tensor(prompts)  # equal lengths: no padding
+    max_len = max(len(p) for p in prompts)  # left padding, where lengths differ (grounded)
+    input_ids = torch.tensor([[0] * (max_len - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p in prompts])
 
     def run_once() -> tuple[float, float, float]:
         clock = StepClock()
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+            model.generate(input_ids=input_ids, attention_mask=attention_mask,
                            max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
                            top_p=None, top_k=None, temperature=None, eos_token_id=None, pad_token_id=0,
                            logits_processor=LogitsProcessorList([clock]))

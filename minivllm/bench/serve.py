@@ -18,7 +18,14 @@ import numpy as np
 
 from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset, random_requests
 from minivllm.bench.metrics import RequestTrace, parse_goodput, summarize
-from minivllm.bench.utils import plot_cdfs, write_json
+from minivllm.bench.utils import (
+    plot_cdfs,
+    print_rows,
+    spec_decode_report,
+    spec_decode_rows,
+    write_json,
+)
+from minivllm.core.outputs import SpecDecodingStats
 
 # The --structured-output workloads: the constraint, and a check of an output that is independent
 # of the server (a constrained reply cut by max_tokens fails it).
@@ -252,18 +259,36 @@ async def server_info(url: str, model: str | None, api_key: str | None) -> tuple
 
 
 async def scrape_metrics(url: str) -> dict[tuple[str, str], float]:
-    """The server's /metrics samples as {(name, le): value} (le "" where none); empty when the
-    server has none (not every OpenAI-compatible server does)."""
+    """The server's /metrics samples (parse_metrics); empty when the server has none (not every
+    OpenAI-compatible server does)."""
     import aiohttp
-    from prometheus_client.parser import text_string_to_metric_families
 
     try:
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
             text = await response.text() if response.status == 200 else ""
     except aiohttp.ClientError:
         return {}
-    return {(sample.name, sample.labels.get("le", "")): sample.value
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[tuple[str, str], float]:
+    """Prometheus text as {(name, le or position label): value} ("" where neither)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, sample.labels.get("le", sample.labels.get("position", ""))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def spec_decoding_counters(samples: dict[tuple[str, str], float]) -> SpecDecodingStats | None:
+    """vLLM's spec_decode counters from a /metrics scrape; None when the server does not speculate."""
+    prefix = "vllm:spec_decode_num_"
+    if (f"{prefix}drafts_total", "") not in samples:
+        return None
+    per_pos = sorted((int(pos), int(v)) for (name, pos), v in samples.items()
+                     if name == f"{prefix}accepted_tokens_per_pos_total")
+    return SpecDecodingStats(len(per_pos), int(samples[(f"{prefix}drafts_total", "")]),
+                             int(samples.get((f"{prefix}draft_tokens_total", ""), 0)),
+                             int(samples.get((f"{prefix}accepted_tokens_total", ""), 0)), [v for _, v in per_pos])
 
 
 def engine_step_report(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, Any]:
@@ -325,7 +350,9 @@ def main(args: argparse.Namespace) -> None:
             r.prompt = r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
     metrics_before = asyncio.run(scrape_metrics(url))
     traces, duration = asyncio.run(run(args, url, model, requests, times))
-    steps = engine_step_report(metrics_before, asyncio.run(scrape_metrics(url)))
+    metrics_after = asyncio.run(scrape_metrics(url))
+    steps = engine_step_report(metrics_before, metrics_after) | spec_decode_report(
+        spec_decoding_counters(metrics_before), spec_decoding_counters(metrics_after))
     startup = metrics_before.get(("minivllm:engine_startup_seconds", ""))
     result = summarize(traces, duration, slos) | steps | structured_output_report(
         traces, constrained, args.structured_output) | {
@@ -387,11 +414,11 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
                 tpot = r[f"{name}_tpot_ms"]
                 rows.append((f"TPOT {name} mean / median / p99 (ms)",
                              f"{tpot['mean']:.1f} / {tpot['median']:.1f} / {tpot['p99']:.1f}"))
+    rows += spec_decode_rows(r)
     for name in args.percentile_metrics.split(","):
         rows += [(f"{stat.capitalize()} {name.upper()} (ms)", f"{r[f'{stat}_{name}_ms']:.2f}")
                  for stat in ("mean", "median", "std", "p90", "p99")]
-    for label, value in rows:
-        print(f"{label:<40}{value:>15}")
+    print_rows(rows)
     # A failed request is only worth a count if the reader can see why it failed.
     if r["errors"]:
         print(f"Errors of the first {len(r['errors'])} failed requests:")

@@ -13,7 +13,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from minivllm.bench.datasets import SampleRequest, add_dataset_args, build_dataset
-from minivllm.bench.utils import load_hf_model, plot_bars, write_json
+from minivllm.bench.utils import (
+    load_hf_model,
+    plot_bars,
+    print_rows,
+    spec_decode_report,
+    spec_decode_rows,
+    write_json,
+)
 from minivllm.engine.arg_utils import EngineArgs
 
 # flag -> [(label, engine-arg overrides, environment)], run one after the other in one process.
@@ -84,9 +91,11 @@ def run_minivllm(
     # Warm-up on a prompt of its own, then forget it: the workload must start with a cold cache.
     llm.generate([[requests[0].prompt_token_ids[-1]] * 8], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.reset_prefix_cache()
+    spec_before = spec_decoding_stats(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
+    spec = spec_decode_report(spec_before, spec_decoding_stats(llm))
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttfts_ms = [1000 * o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.first_token_time]
     model_config = llm.llm_engine.vllm_config.model_config
@@ -99,7 +108,12 @@ def run_minivllm(
         "startup_time": startup,
         "dtype": model_config.dtype,
         "model": model_config.model,
-    }
+    } | spec
+
+
+def spec_decoding_stats(llm: Any) -> Any:
+    """The engine's cumulative draft verification counters; None when it does not speculate."""
+    return llm.llm_engine.get_scheduler_stats().spec_decoding
 
 
 def run_hf(args: argparse.Namespace, requests: list[SampleRequest], model_path: str, dtype: str) -> dict[str, Any]:
@@ -170,6 +184,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]], compari
             f"({r['total_output_tokens']} output tokens in {r['elapsed_time']:.1f} s{ttft}; "
             f"startup {r['startup_time']:.1f} s)"
         )
+        print_rows(spec_decode_rows(r))
     if comparison is not None:
         (first, a), (second, b) = ((label, results[label]) for label, _, _ in comparison)
         cached = f" ({b['num_cached_prompt_tokens']} prompt tokens from the prefix cache)" if args.compare_prefix_caching else ""

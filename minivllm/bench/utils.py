@@ -1,4 +1,5 @@
-"""What every benchmark command shares: the environment record, the JSON file, the plots."""
+"""What every benchmark command shares: the environment record, the JSON file, the plots, and
+the speculative decoding figures of a run."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from typing import Any
+from itertools import zip_longest
+from typing import Any, Protocol
 
 import minivllm
 
@@ -39,6 +41,61 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+class SpecDecodingCounters(Protocol):
+    """Cumulative draft verification counters, as in minivllm.core.outputs.SpecDecodingStats."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+
+
+def spec_decode_report(before: SpecDecodingCounters | None, after: SpecDecodingCounters | None) -> dict[str, Any]:
+    """A run's speculative decoding figures from the counters before and after it, with vLLM's
+    definitions: acceptance rate = accepted / draft tokens, mean acceptance length (tokens per
+    verifying step, the bonus token included) = 1 + accepted / drafts, and per position j,
+    accepted_per_pos[j] / drafts. Empty when the engine does not speculate (`after` is None);
+    rates are 0 (length 1) when nothing was drafted."""
+    if after is None:
+        return {}
+
+    def delta(name: str) -> int:
+        return int(getattr(after, name) - (getattr(before, name) if before is not None else 0))
+
+    drafts, draft_tokens, accepted = (delta(n) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    per_pos = [int(a - b) for a, b in zip_longest(after.num_accepted_tokens_per_pos,
+                                                  before.num_accepted_tokens_per_pos if before else [], fillvalue=0)]
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": per_pos,
+        "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "spec_decode_per_position_acceptance_rates": [n / drafts if drafts else 0.0 for n in per_pos],
+    }
+
+
+def spec_decode_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows of a spec_decode_report (or of a result holding one; none without)."""
+    if "spec_decode_num_drafts" not in report:
+        return []
+    per_pos = " ".join(f"{100 * r:.1f}" for r in report["spec_decode_per_position_acceptance_rates"])
+    return [
+        ("Spec decode drafts", str(report["spec_decode_num_drafts"])),
+        ("Spec decode draft tokens", str(report["spec_decode_num_draft_tokens"])),
+        ("Spec decode accepted tokens", str(report["spec_decode_num_accepted_tokens"])),
+        ("Spec decode acceptance rate (%)", f"{100 * report['spec_decode_acceptance_rate']:.1f}"),
+        ("Spec decode mean acceptance length", f"{report['spec_decode_acceptance_length']:.2f}"),
+        ("Spec decode per-position acceptance (%)", per_pos),
+    ]
+
+
+def print_rows(rows: Sequence[tuple[str, Any]]) -> None:
+    for label, value in rows:
+        print(f"{label:<40}{value!s:>15}")
 
 
 def load_hf_model(model_path: str, dtype: str) -> tuple[Any, float]:

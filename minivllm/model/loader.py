@@ -25,7 +25,7 @@ logger = init_logger(__name__)
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -50,7 +50,7 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     dtype = getattr(torch, model_config.dtype)
     platform = get_platform(device.type)
     model_cls = get_model_class(model_config.hf_config.architectures)
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = model_cls(model_config.hf_config, backend)
     # RoPE tables stay float32 whatever the model dtype (HF computes them in float32 too).
     for module in model.modules():

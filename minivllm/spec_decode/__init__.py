@@ -38,6 +38,9 @@ class DraftInputs:
     # row's tokens start (num_reqs + 1 entries).
     input_ids_np: np.ndarray
     query_start_loc: np.ndarray
+    # The target's hidden states of every token of the step, for a proposer that drafts from
+    # them (needs_hidden_states): the final ones, or EAGLE-3's aux states concatenated.
+    hidden_states: torch.Tensor | None = None
 
 
 class Proposer(ABC):
@@ -45,6 +48,9 @@ class Proposer(ABC):
 
     kv_cache_dtype: str | None = None
     """The dtype of its attention layers' KV cache pages (a proposer with a model)."""
+    needs_hidden_states = False
+    """Whether it drafts from the target's hidden states of every token (EAGLE): the target then
+    keeps them all (no last-layer pruning, no replayed forward)."""
 
     def load_model(self, target_model: torch.nn.Module) -> dict[str, Attention]:
         """Load what it runs, after the target (whose embedding and lm_head a head may share);
@@ -69,4 +75,6 @@ def make_proposer(vllm_config: VllmConfig, device: torch.device, platform: Platf
         from minivllm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(vllm_config, device, platform)
-    raise ValueError(f"Speculative decoding method {spec.method!r} is not available yet.")
+    from minivllm.spec_decode.eagle import EagleProposer
+
+    return EagleProposer(vllm_config, device, platform)

@@ -127,7 +127,8 @@ class ModelRunner:
         self.input_batch = self._make_input_batch(self._block_sizes)
         self.requests = {}
         qualname = self.platform.graph_runner_qualname()
-        if qualname is None or self.model_config.enforce_eager:
+        # NOTE: a proposer that reads every token's hidden states gets them from eager forwards.
+        if qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states):
             self.graph_runner = None
         else:
             module_name, class_name = qualname.rsplit(".", 1)
@@ -166,8 +167,13 @@ class ModelRunner:
         # Only the sampled tokens go through the last layer's o_proj and MLP, unless every token
         # is sampled (decodes) or prompt logprobs need every token's final state.
         prompt_logprobs_rows = np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0)
-        pruned = len(step.sampled_rows) < step.batch_descriptor.num_tokens and not len(prompt_logprobs_rows)
+        needs_hidden_states = self.proposer is not None and self.proposer.needs_hidden_states
+        pruned = (len(step.sampled_rows) < step.batch_descriptor.num_tokens and not len(prompt_logprobs_rows)
+                  and not needs_hidden_states)
         hidden_states = self._run_model(step, pruned)
+        draft_hidden_states = hidden_states
+        if isinstance(hidden_states, tuple):  # EAGLE-3's aux states too
+            hidden_states, draft_hidden_states = hidden_states
         prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden_states, batch, self.requests, step.query_start_loc, prompt_logprobs_rows)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
@@ -184,7 +190,8 @@ class ModelRunner:
             if self.proposer is not None:
                 drafts = self.proposer.propose(DraftInputs(
                     batch, step.sampled_rows, new_token_ids, step.draft_token_ids,
-                    self.input_ids.np[: step.batch_descriptor.num_tokens], step.query_start_loc))
+                    self.input_ids.np[: step.batch_descriptor.num_tokens], step.query_start_loc,
+                    draft_hidden_states if needs_hidden_states else None))
                 draft_token_ids = [[] for _ in range(batch.num_reqs)]
                 for row, ids in zip(step.sampled_rows.tolist(), drafts, strict=True):
                     draft_token_ids[row] = ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from eagle_heads import eagle1_checkpoint, eagle3_checkpoint, write_hf
 from engine_utils import assert_engine_idle, num_preemptions
 
 from minivllm import LLM, SamplingParams
@@ -184,3 +185,34 @@ def test_draft_model_gives_the_same_tokens(model_dir, make_tiny_model, make_llm,
     assert accepted > 0.7 if drafter == "itself-bfloat16" else accepted < 0.5
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_give_the_same_tokens(make_tiny_model, make_llm, tmp_path, method):
+    """Random heads written in the published layouts (so most drafts are rejected: exactness is
+    what this checks), over a 4-layer target (EAGLE-3 reads three of its layers), with chunked
+    prefill, prefix caching and preemption."""
+    target = make_tiny_model("llama", vocab_size=128, num_hidden_layers=4)
+    if method == "eagle":
+        config, tensors = eagle1_checkpoint(num_layers=1, fc_bias=False, vocab=128)
+    else:
+        config, tensors = eagle3_checkpoint(vocab=128, draft_vocab=64)
+    head = write_hf(tmp_path / method, config, tensors)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3}
+    prompts = PROMPTS + [PROMPTS[1] + [7, 8, 9]]
+    base = make_llm(target, **ENGINE)
+    llm = make_llm(target, speculative_config=spec, max_num_batched_tokens=32, num_gpu_blocks_override=24, **ENGINE)
+    for params in (greedy(max_tokens=50), greedy(max_tokens=30, repetition_penalty=1.3, logprobs=2)):
+        assert generate(llm, params, prompts) == generate(base, params, prompts)
+    stats = llm.llm_engine.get_scheduler_stats()
+    assert stats.spec_decoding.num_draft_tokens > 100
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_engine_idle(llm)
+
+
+def test_eagle_head_of_another_hidden_size_is_refused(make_tiny_model, make_llm, tmp_path):
+    target = make_tiny_model("llama", vocab_size=128, hidden_size=32, head_dim=8)
+    head = write_hf(tmp_path / "head", *eagle1_checkpoint(num_layers=1, fc_bias=False, vocab=128))
+    with pytest.raises(Exception, match="hidden_size 64 does not match the target's hidden size 32"):
+        make_llm(target, speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2},
+                 **ENGINE)

@@ -147,9 +147,11 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 drafts from the residual stream at the input of these layers (set by its proposer).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states of every token, or of the rows logits_indices names (in its order).
 
         Given logits_indices, the last layer writes and attends every token's K/V but runs
@@ -160,11 +162,17 @@ class LlamaModel(nn.Module):
         rope_tables = self.rotary_emb.step_tables(positions, hidden_states.dtype)
         residual = None
         last = len(self.layers) - 1
+        aux_hidden_states = {}
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux_hidden_states[i] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(
                 rope_tables, hidden_states, residual, attn_metadata, logits_indices if i == last else None
             )
         hidden_states, _ = self.norm(hidden_states, residual)
+        if aux_hidden_states:
+            # NOTE: then the caller wants every token's states: no pruning (logits_indices None).
+            return hidden_states, torch.cat([aux_hidden_states[i] for i in self.aux_hidden_state_layers], dim=-1)
         return hidden_states
 
 
@@ -188,7 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states (see LlamaModel.forward), with the EAGLE-3 aux states
+        [num_tokens, 3 * hidden] concatenated when aux_hidden_state_layers is set."""
         return self.model(input_ids, positions, attn_metadata, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

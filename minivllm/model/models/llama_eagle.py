@@ -29,7 +29,7 @@ from minivllm.model.models.llama import (
 )
 
 
-def EAGLE3_AUX_LAYERS(num_target_layers: int) -> tuple[int, ...]:
+def eagle3_aux_layers(num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose INPUT residual stream (hidden_states + residual before the layer
     runs) EAGLE-3 reads, in the order fc expects them concatenated: (2, L // 2, L - 3)."""
     if num_target_layers < 3:
@@ -189,7 +189,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3LlamaForCausalLM(_LlamaDraftHead):
-    """EAGLE-3: fc combines three target layers' hidden states (EAGLE3_AUX_LAYERS) into one; one
+    """EAGLE-3: fc combines three target layers' hidden states (eagle3_aux_layers) into one; one
     decoder layer (`midlayer`) and a final norm; its own lm_head over a draft vocabulary that d2t
     maps into the target's (target id = draft id + d2t[draft id])."""
 
@@ -222,7 +222,7 @@ class Eagle3LlamaForCausalLM(_LlamaDraftHead):
         super().bind_target(target)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, 3 * H_target] (the aux states concatenated in EAGLE3_AUX_LAYERS order) -> [T, H]."""
+        """[T, 3 * H_target] (the aux states concatenated in eagle3_aux_layers order) -> [T, H]."""
         return self.fc(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,

@@ -177,7 +177,7 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden_states, batch, self.requests, step.query_start_loc, prompt_logprobs_rows)
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-        draft_token_ids: list[list[int]] = []
+        new_token_ids: list[list[int]] = []
         logprobs = None
         if len(step.sampled_rows):
             logits = self.model.compute_logits(hidden_states if pruned else hidden_states[step.logits_indices])
@@ -187,14 +187,16 @@ class ModelRunner:
             batch.append_sampled_token_ids(step.sampled_rows, new_token_ids)
             for row, token_ids in zip(step.sampled_rows.tolist(), new_token_ids, strict=True):
                 sampled_token_ids[row] = token_ids
-            if self.proposer is not None:
-                drafts = self.proposer.propose(DraftInputs(
-                    batch, step.sampled_rows, new_token_ids, step.draft_token_ids,
-                    self.input_ids.np[: step.batch_descriptor.num_tokens], step.query_start_loc,
-                    draft_hidden_states if needs_hidden_states else None))
-                draft_token_ids = [[] for _ in range(batch.num_reqs)]
-                for row, ids in zip(step.sampled_rows.tolist(), drafts, strict=True):
-                    draft_token_ids[row] = ids
+        draft_token_ids: list[list[int]] = []
+        if self.proposer is not None:
+            # NOTE: also in steps where nobody samples: a drafter's KV must cover every token.
+            drafts = self.proposer.propose(DraftInputs(
+                batch, step.sampled_rows, new_token_ids, step.draft_token_ids,
+                self.input_ids.np[: step.batch_descriptor.num_tokens], step.query_start_loc,
+                draft_hidden_states if needs_hidden_states else None))
+            draft_token_ids = [[] for _ in range(batch.num_reqs)]
+            for row, ids in zip(step.sampled_rows.tolist(), drafts, strict=True):
+                draft_token_ids[row] = ids
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             sampled_token_ids=sampled_token_ids,

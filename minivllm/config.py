@@ -178,27 +178,36 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """Workers the model is sharded over (one device each)."""
+    """Workers the model is sharded over (one device, or on CPU a share of the cores, each)."""
     data_parallel_size: int = 1
     """Engine cores, each with its own scheduler, KV cache and copy of the model."""
-    distributed_executor_backend: str = "uni"
-    """How the workers run: uni (one worker in the engine process), mp (worker processes), ray."""
+    distributed_executor_backend: str | None = None
+    """How the workers run: uni (one worker in the engine process), mp (worker processes), ray.
+    None: uni for one worker, mp for more (vLLM's default)."""
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.distributed_executor_backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}."
             )
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        # NOTE: the one place that says what exists: executor/ has only the uni executor.
-        if (self.distributed_executor_backend, self.tensor_parallel_size, self.data_parallel_size) != ("uni", 1, 1):
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
-                "minivllm runs one worker in one engine core for now: distributed_executor_backend="
-                f"{self.distributed_executor_backend!r}, tensor_parallel_size={self.tensor_parallel_size} "
-                f"and data_parallel_size={self.data_parallel_size} are not available (only 'uni', 1, 1)."
+                f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size={self.tensor_parallel_size} "
+                "needs 'mp' (or 'ray')."
+            )
+        # NOTE: the one place that says what exists: executor/ has no Ray executor, engine/ no
+        # data parallel front end yet.
+        if self.distributed_executor_backend == "ray" or self.data_parallel_size > 1:
+            raise ValueError(
+                f"minivllm has no {'Ray executor' if self.distributed_executor_backend == 'ray' else 'data parallel engine'}"
+                f" yet: distributed_executor_backend={self.distributed_executor_backend!r}, "
+                f"data_parallel_size={self.data_parallel_size} (available: 'uni' or 'mp', data_parallel_size=1)."
             )
 
     @property

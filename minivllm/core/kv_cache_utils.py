@@ -79,20 +79,37 @@ def get_kv_cache_config(
     Raises ValueError when the layers need several KV cache groups, or when the cache cannot
     hold one request of max_model_len tokens.
     """
-    kv_cache_groups = _get_kv_cache_groups(kv_cache_spec)
+    return get_kv_cache_configs(cache_config, scheduler_config, [kv_cache_spec], available_memory)[0]
+
+
+def get_kv_cache_configs(
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: int,
+) -> list[KVCacheConfig]:
+    """One KVCacheConfig per worker (get_kv_cache_config), all with the same number of blocks: a
+    block id names one block on every worker, and tensor-parallel ranks may hold different numbers
+    of KV heads (3 heads on 2 ranks), so the rank with the largest pages sets the count."""
     # NOTE: a block id names one block in every layer, so a block costs the sum of the
     # layers' pages (layers may differ in head count and size).
-    bytes_per_block = sum(spec.page_size_bytes for spec in kv_cache_spec.values())
-    num_blocks_in_memory = available_memory // bytes_per_block
-    num_blocks = _get_num_blocks(cache_config, scheduler_config, num_blocks_in_memory)
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=tuple(
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=(layer_name,))
-            for layer_name, spec in kv_cache_spec.items()
-        ),
-        kv_cache_groups=kv_cache_groups,
+    num_blocks = min(
+        _get_num_blocks(
+            cache_config, scheduler_config, available_memory // sum(s.page_size_bytes for s in spec.values())
+        )
+        for spec in kv_cache_specs
     )
+    return [
+        KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=tuple(
+                KVCacheTensor(size=num_blocks * layer_spec.page_size_bytes, shared_by=(layer_name,))
+                for layer_name, layer_spec in spec.items()
+            ),
+            kv_cache_groups=_get_kv_cache_groups(spec),
+        )
+        for spec in kv_cache_specs
+    ]
 
 
 def _get_kv_cache_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:

@@ -108,11 +108,13 @@ class EngineArgs:
     {"method": "eagle" | "eagle3", "model": PATH, "num_speculative_tokens": k} (an EAGLE head).
     Output is unchanged: greedy output token for token, sampled output in distribution."""
     tensor_parallel_size: int = 1
-    """Workers the model is sharded over (only 1 for now)."""
+    """Worker processes the model is sharded over (tensor parallelism: each holds its share of
+    every layer and of the KV cache; on CPU each takes its share of the cores)."""
     data_parallel_size: int = 1
     """Engine cores behind one front end (only 1 for now)."""
-    distributed_executor_backend: str = "uni"
-    """How the workers run: uni (in the engine process; the only one for now), mp, ray."""
+    distributed_executor_backend: str | None = None
+    """How the workers run: uni (in the engine process), mp (worker processes; the default for
+    tensor_parallel_size > 1), ray (not yet)."""
 
     def __post_init__(self) -> None:
         """Check every setting that needs no model (a ValueError), so that a bad one is refused

@@ -27,7 +27,7 @@ import zmq
 
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_interface import KVCacheConfig
-from minivllm.core.kv_cache_utils import get_kv_cache_config
+from minivllm.core.kv_cache_utils import get_kv_cache_configs
 from minivllm.core.outputs import SchedulerStats
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched.scheduler import Scheduler
@@ -68,10 +68,9 @@ class EngineCore:
         and return the scheduler's view (every worker holds the same blocks)."""
         kv_cache_specs = self.model_executor.get_kv_cache_specs()
         available_memory = min(self.model_executor.determine_available_memory())
-        kv_cache_configs = [
-            get_kv_cache_config(vllm_config.cache_config, vllm_config.scheduler_config, spec, available_memory)
-            for spec in kv_cache_specs
-        ]
+        kv_cache_configs = get_kv_cache_configs(
+            vllm_config.cache_config, vllm_config.scheduler_config, kv_cache_specs, available_memory
+        )
         self.model_executor.initialize_from_config(kv_cache_configs)
         return kv_cache_configs[0]
 

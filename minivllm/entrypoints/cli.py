@@ -1,5 +1,5 @@
 """The `minivllm` command: `minivllm serve [MODEL]`, `minivllm generate --prompt ...`,
-`minivllm bench throughput|latency|serve ...`.
+`minivllm bench throughput|latency|serve|broadcast ...`.
 
 Building the parser imports no engine, server or model code: each command imports what it runs.
 Every argument is checked (sampling parameters, then engine settings) before an engine starts.
@@ -53,6 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
+    from minivllm.bench import broadcast as bench_broadcast
     from minivllm.bench import latency as bench_latency
     from minivllm.bench import serve as bench_serve
     from minivllm.bench import throughput as bench_throughput
@@ -61,6 +62,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("throughput", bench_throughput, "Offline throughput of LLM.generate."),
         ("latency", bench_latency, "Latency of one batch, run repeatedly."),
         ("serve", bench_serve, "Load an OpenAI-compatible server and measure what its users see."),
+        ("broadcast", bench_broadcast, "Round-trip latency of the shared-memory message queue."),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_cli_args(command)

@@ -2,8 +2,8 @@
 
 EngineCore talks only to this class. It chooses the implementation by name
 (`parallel_config.distributed_executor_backend`, vLLM's names): "uni", one worker in the engine
-process; "mp", worker processes (tensor parallel) and "ray", workers as Ray actors, are the
-seams for more devices and machines. Every call to the workers is a collective_rpc: a method of
+process; "mp", one worker process per tensor-parallel rank; "ray", workers as Ray actors (not
+yet). Every call to the workers is a collective_rpc: a method of
 the Worker by name, run on every worker, the results in rank order.
 """
 
@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from minivllm.core.sched.output import SchedulerOutput
 
 # backend name -> "module.Class"
-_EXECUTORS = {"uni": "minivllm.executor.uniproc_executor.UniProcExecutor"}
+_EXECUTORS = {
+    "uni": "minivllm.executor.uniproc_executor.UniProcExecutor",
+    "mp": "minivllm.executor.multiproc_executor.MultiprocExecutor",
+}
 
 
 class Executor(ABC):

@@ -74,7 +74,9 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     if model_config.is_gguf and platform.use_custom_kernels(dtype):  # q8_0_linear for the lm_head
         from minivllm.model.gguf_loader import gguf_lm_head_q8_0
 
-        model.lm_head_q8_0 = gguf_lm_head_q8_0(model_config.model)
+        q8_0 = gguf_lm_head_q8_0(model_config.model)
+        if q8_0 is not None:
+            model.set_lm_head_q8_0(q8_0)
     if platform.use_packed_linear(dtype):
         process_weights_after_loading(model)
     return model.eval()

@@ -21,6 +21,7 @@ from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
 from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
+from minivllm.distributed.parallel_state import get_tp_group
 from minivllm.model.layers.attention import Attention
 from minivllm.model.loader import get_model
 from minivllm.sample.ops.bitmask import apply_token_bitmask
@@ -127,8 +128,10 @@ class ModelRunner:
         self.input_batch = self._make_input_batch(self._block_sizes)
         self.requests = {}
         qualname = self.platform.graph_runner_qualname()
-        # NOTE: a proposer that reads every token's hidden states gets them from eager forwards.
-        if qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states):
+        # NOTE: a proposer that reads every token's hidden states gets them from eager forwards;
+        # a trace would not record the tensor-parallel collectives (Python over shared memory).
+        if (qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states)
+                or get_tp_group().world_size > 1):
             self.graph_runner = None
         else:
             module_name, class_name = qualname.rsplit(".", 1)
@@ -256,7 +259,10 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the worker's request states and the persistent batch."""
         batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
+        # NOTE: in a fixed order: removals decide which rows the batch's remaining requests move
+        # to, and every tensor-parallel rank must lay out its batch alike; a set's order depends
+        # on the process's string hash seed.
+        for req_id in sorted(scheduler_output.finished_req_ids):
             self.requests.pop(req_id, None)
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.distributed.parallel_state import init_distributed_environment
 from minivllm.logger import init_logger
 from minivllm.platforms import get_platform
 from minivllm.platforms.interface import GiB
@@ -28,18 +29,28 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig, local_rank: int = 0, rank: int = 0) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
         """rank: this worker's place among the engine's workers (its tensor-parallel rank);
-        local_rank: among those on this machine (which device it takes)."""
+        local_rank: among those on this machine (which device it takes);
+        distributed_init_method: where the workers of a tensor-parallel engine meet (torch.distributed's
+        init_method), None for a single worker."""
         self.vllm_config = vllm_config
         self.rank = rank
         self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
         self.device = torch.device(vllm_config.device_config.device)
         self.platform = get_platform(self.device.type)
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
         self.platform.init_process()
+        world_size = self.vllm_config.parallel_config.world_size
+        if world_size > 1:
+            assert self.distributed_init_method is not None, "a tensor-parallel worker needs its world's address"
+            init_distributed_environment(world_size, self.rank, self.distributed_init_method, self.device)
+        # Every rank samples every request, and draws the same random numbers for it.
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, self.device, self.platform)
 
@@ -77,7 +88,7 @@ class Worker:
         return self._runner().execute_model(scheduler_output)
 
     def check_health(self) -> None:
-        """A worker in the engine process is alive while the engine is."""
+        """A worker that answers is alive (the executors watch their processes themselves)."""
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:

@@ -1,7 +1,6 @@
 """The executor seam: the engine core builds its executor only through Executor.get_class, the
 uni executor's worker answers the V1 worker calls by name (collective_rpc), and what does not
-exist yet (tensor or data parallel, the mp and ray executors) is refused before any engine
-starts."""
+exist yet (data parallel, the Ray executor) is refused before any engine starts."""
 
 from __future__ import annotations
 
@@ -43,10 +42,21 @@ def test_workers_answer_by_method_name(engine_core, make_tiny_model):
     assert executor.collective_rpc("check_health") == [None]
 
 
-@pytest.mark.parametrize("fields", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2},
-                                    {"distributed_executor_backend": "mp"}, {"distributed_executor_backend": "ray"}])
-def test_what_does_not_exist_is_refused_at_configuration(fields):
-    with pytest.raises(ValueError, match="minivllm runs one worker in one engine core for now"):
+@pytest.mark.parametrize(("fields", "backend"), [({}, "uni"), ({"tensor_parallel_size": 2}, "mp"),
+                                               ({"distributed_executor_backend": "mp"}, "mp")])
+def test_default_backend_follows_the_world_size(fields, backend):
+    """vLLM's default: one worker in the engine process, worker processes for more."""
+    assert ParallelConfig(**fields).distributed_executor_backend == backend
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"data_parallel_size": 2}, "minivllm has no data parallel engine yet"),
+    ({"distributed_executor_backend": "ray"}, "minivllm has no Ray executor yet"),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "'uni' runs one worker"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+])
+def test_what_does_not_exist_is_refused_at_configuration(fields, message):
+    with pytest.raises(ValueError, match=message):
         ParallelConfig(**fields)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from minivllm import SamplingParams
 from minivllm.attention.selector import get_attn_backend
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.model.layers.linear import Linear, QKVLinear, linear
+from minivllm.model.layers.linear import Linear, QKVParallelLinear, linear
 from minivllm.model.loader import get_model
 from minivllm.platforms import get_platform
 
@@ -34,7 +34,7 @@ def test_packed_linear_equals_f_linear(rows):
     with torch.device(CPU):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            layers = [QKVLinear(576, 64, 9, 3, bias=True), Linear(1536, 576)]
+            layers = [QKVParallelLinear(576, 64, 9, 3, bias=True), Linear(1536, 576)]
         finally:
             torch.set_default_dtype(torch.float32)
     for layer in layers:
@@ -59,17 +59,16 @@ def _model(model_dir, dtype: str):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_loader_packs_bfloat16_cpu_weights(make_tiny_model, tied):
-    """bfloat16: every Linear (lm_head included when untied) is packed, a tied lm_head gets a packed
-    copy while the embedding keeps its plain weight, and the logits equal F.linear's."""
+    """bfloat16: every Linear is packed, the lm_head (tied or not) gets a packed copy while it and
+    the embedding keep their plain weights, and the logits equal F.linear's."""
     model = _model(make_tiny_model("llama", tie_word_embeddings=tied), "bfloat16")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 2 * 4 + (0 if tied else 1)  # qkv, o, gate_up, down per layer
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
     assert all(m.weight.is_mkldnn for m in linears)
-    assert not model.model.embed_tokens.weight.is_mkldnn
-    assert (model.lm_head_packed is not None) == tied
+    assert not model.model.embed_tokens.weight.is_mkldnn and not model.lm_head.weight.is_mkldnn
+    assert model.lm_head_packed is not None
     hidden = torch.randn(5, 64).bfloat16()
-    plain = model.lm_head.weight.to_dense() if model.lm_head.weight.is_mkldnn else model.lm_head.weight
-    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, plain).float())
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight).float())
 
 
 def test_loader_keeps_plain_weights_for_float32_and_when_switched_off(make_tiny_model, monkeypatch):

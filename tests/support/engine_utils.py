@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
-from minivllm import LLM
+import random
+
+from minivllm import LLM, SamplingParams
+
+MAX_NEW_TOKENS = 32
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village at the edge of the forest, there lived",
+    "1, 2, 3, 4,",
+]
+
+
+def make_prompts(tokenizer, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Four text prompts and six random-token prompts, 1 to 300 tokens long."""
+    rng = random.Random(seed)
+    prompts = [tokenizer.encode(text) for text in TEXT_PROMPTS]
+    for length in (1, 7, 33, 120, 250, 300):
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(length)])
+    return prompts
+
+
+def generate_greedy(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
+    """MAX_NEW_TOKENS greedy tokens per prompt, with the top-5 logprobs check_logprobs_close reads."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
 def assert_engine_idle(llm: LLM) -> None:

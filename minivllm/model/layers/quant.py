@@ -18,7 +18,7 @@ batches keep using the dequantized bfloat16 matrix, where the int4 kernel is slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -35,8 +35,27 @@ INT4_MAX_ROWS = 8
 Q4_1_TILE = 16  # rows per tile of q4_1_linear's layout
 
 
+class GroupQuantized:
+    """A matrix stored as codes `q` [N, K] and per-32-column group tensors [N, K // 32]."""
+
+    def narrow(self, dim: int, start: int, size: int) -> GroupQuantized:
+        """Rows (dim 0) or columns (dim 1, whole groups only) start..start+size: a
+        tensor-parallel rank's share."""
+        if dim == 1 and (start % Q4_1_GROUP or size % Q4_1_GROUP):
+            raise ValueError(
+                f"A quantized matrix splits between ranks at groups of {Q4_1_GROUP} columns, not at "
+                f"{start}..{start + size}."
+            )
+        return replace(self, **{
+            f.name: getattr(self, f.name).narrow(dim, *(
+                (start, size) if f.name == "q" or dim == 0 else (start // Q4_1_GROUP, size // Q4_1_GROUP)
+            ))
+            for f in fields(self)  # type: ignore[arg-type]
+        })
+
+
 @dataclass
-class Q4_1Weight:
+class Q4_1Weight(GroupQuantized):
     """A Q4_1 matrix as stored: w[n, k] = scale[n, k // 32] * q[n, k] + min[n, k // 32]."""
 
     q: torch.Tensor  # [N, K] int32 in [0, 16)
@@ -109,7 +128,7 @@ Q8_0_MAX_ROWS = 8
 
 
 @dataclass
-class Q8_0Weight:
+class Q8_0Weight(GroupQuantized):
     """A Q8_0 matrix as stored: w[n, k] = scale[n, k // 32] * q[n, k]."""
 
     q: torch.Tensor  # [N, K] int8

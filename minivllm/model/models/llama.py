@@ -20,15 +20,16 @@ from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import (
-    Linear,
-    MergedLinear,
-    QKVLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
     default_weight_loader,
     linear,
     pack_linear_weight,
 )
 from minivllm.model.layers.quant import Q8_0_MAX_ROWS, Q4_1Weight, Q8_0Weight
 from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
+from minivllm.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED_PARAMS = {
@@ -48,12 +49,18 @@ class LlamaAttention(nn.Module):
         """input_size: the width q/k/v read, hidden_size when None (EAGLE-3's layer reads 2x)."""
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
         self.head_dim = get_head_size(config)
-        self.qkv_proj = QKVLinear(input_size or hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            input_size or hidden, self.head_dim, total_heads,
+            getattr(config, "num_key_value_heads", None) or total_heads, qkv_bias,
+        )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        q_start = self.qkv_proj.shard_slices["q"][1]
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias,
+                                        input_slice=(q_start, self.qkv_proj.q_size))
         self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -89,9 +96,12 @@ class LlamaMLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported activation {act!r}; only 'silu' is supported.")
-        self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=bias)
-        self.act_fn = SiluAndMul(inter)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: inter, 1: inter}, bias=bias)
+        local_inter = self.gate_up_proj.shard_offsets[1][1]
+        self.act_fn = SiluAndMul(local_inter)
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=bias, input_slice=self.gate_up_proj.shard_slices[1][1:]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -136,8 +146,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One rotary table for all layers (4 MiB per copy at 8k positions).
         self.rotary_emb = RotaryEmbedding(
             get_head_size(config), config.max_position_embeddings, get_rope_parameters(config)
@@ -189,10 +198,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         # The lm_head's GGUF Q8_0 codes, for steps sampling few rows (set by the loader).
         self.lm_head_q8_0: Q8_0Weight | None = None
-        # A tied lm_head's weight packed for oneDNN; the embedding keeps the plain one for lookups.
+        # The lm_head's weight packed for oneDNN (a tied one: the embedding keeps the plain one).
         self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
@@ -202,16 +211,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, logits_indices)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits for the rows that are sampled only: [num_sampled, vocab], float32."""
+        """Logits for the rows that are sampled only: [num_sampled, vocab], float32, on every rank."""
         if self.lm_head_q8_0 is not None and hidden_states.shape[0] <= Q8_0_MAX_ROWS:
-            return self.lm_head_q8_0.matmul(hidden_states)
-        weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head.weight
-        return linear(hidden_states, weight).float()
+            logits = self.lm_head_q8_0.matmul(hidden_states)
+        else:
+            weight = self.lm_head_packed if self.lm_head_packed is not None else self.lm_head.weight
+            logits = linear(hidden_states, weight).float()
+        return self.lm_head.gather_logits(logits)
+
+    def set_lm_head_q8_0(self, weight: Q8_0Weight) -> None:
+        """The lm_head's Q8_0 codes as the GGUF file stores them (every row)."""
+        self.lm_head_q8_0 = self.lm_head.rank_rows(weight)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the tied lm_head for oneDNN (an untied one is a Linear, which packs itself)."""
-        if self.tie_word_embeddings:
-            self.lm_head_packed = pack_linear_weight(self.lm_head.weight)
+        """Pack the lm_head for oneDNN; the embedding keeps the plain weight for lookups."""
+        self.lm_head_packed = pack_linear_weight(self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""

@@ -8,6 +8,7 @@ KV blocks) are filled in with dataclasses.replace, never by mutation.
 from __future__ import annotations
 
 import enum
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,13 +202,13 @@ class ParallelConfig:
                 f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size={self.tensor_parallel_size} "
                 "needs 'mp' (or 'ray')."
             )
-        # NOTE: the one place that says what exists: executor/ has no Ray executor, engine/ no
-        # data parallel front end yet.
-        if self.distributed_executor_backend == "ray" or self.data_parallel_size > 1:
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'minivllm[ray]'.")
+        # NOTE: the one place that says what exists: engine/ has no data parallel front end yet.
+        if self.data_parallel_size > 1:
             raise ValueError(
-                f"minivllm has no {'Ray executor' if self.distributed_executor_backend == 'ray' else 'data parallel engine'}"
-                f" yet: distributed_executor_backend={self.distributed_executor_backend!r}, "
-                f"data_parallel_size={self.data_parallel_size} (available: 'uni' or 'mp', data_parallel_size=1)."
+                f"minivllm has no data parallel engine yet: data_parallel_size={self.data_parallel_size} "
+                "(available: 1)."
             )
 
     @property

@@ -6,13 +6,15 @@ torch.distributed: it asks `get_tp_group()` for its rank and size and calls `all
 `all_gather` on it. In a process that never initialised a world (TP=1, the tests of single
 layers) the group is a single rank and every collective returns its input.
 
-On CPU the collectives go through shared memory (shm_communicator.py): two gloo all-reduces per
-decoder layer over loopback TCP would cost more than the layer. On CUDA they are NCCL's.
+On CPU the collectives go through shared memory (shm_communicator.py) when all ranks share a
+machine: two gloo all-reduces per decoder layer over loopback TCP would cost more than the
+layer. Across machines (Ray) they are gloo's; on CUDA, NCCL's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -73,11 +75,19 @@ def init_distributed_environment(
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     group = GroupCoordinator(rank, world_size, cpu_group, dist.group.WORLD)
-    if device.type == "cpu" and use_shm and world_size > 1:
+    if device.type == "cpu" and use_shm and world_size > 1 and _on_one_host(world_size):
         group.communicator = ShmCommunicator(
             rank, world_size, communicator_shm_name(init_method), lambda: dist.barrier(group=cpu_group)
         )
     _TP = group
+
+
+def _on_one_host(world_size: int) -> bool:
+    """Whether every rank runs on this machine (shared memory reaches them all); Ray may place
+    ranks on several."""
+    hosts: list[str | None] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(set(hosts)) == 1
 
 
 def communicator_shm_name(init_method: str) -> str:

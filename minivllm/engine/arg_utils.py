@@ -114,7 +114,7 @@ class EngineArgs:
     """Engine cores behind one front end (only 1 for now)."""
     distributed_executor_backend: str | None = None
     """How the workers run: uni (in the engine process), mp (worker processes; the default for
-    tensor_parallel_size > 1), ray (not yet)."""
+    tensor_parallel_size > 1), ray (Ray actors: this machine's cluster, or a local one)."""
 
     def __post_init__(self) -> None:
         """Check every setting that needs no model (a ValueError), so that a bad one is refused

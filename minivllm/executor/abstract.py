@@ -2,8 +2,8 @@
 
 EngineCore talks only to this class. It chooses the implementation by name
 (`parallel_config.distributed_executor_backend`, vLLM's names): "uni", one worker in the engine
-process; "mp", one worker process per tensor-parallel rank; "ray", workers as Ray actors (not
-yet). Every call to the workers is a collective_rpc: a method of
+process; "mp", one worker process per tensor-parallel rank on this machine; "ray", workers as
+Ray actors, on the machines of a Ray cluster. Every call to the workers is a collective_rpc: a method of
 the Worker by name, run on every worker, the results in rank order.
 """
 
@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 _EXECUTORS = {
     "uni": "minivllm.executor.uniproc_executor.UniProcExecutor",
     "mp": "minivllm.executor.multiproc_executor.MultiprocExecutor",
+    "ray": "minivllm.executor.ray_executor.RayDistributedExecutor",
 }
+
+
+class ExecutorFailedError(RuntimeError):
+    """A worker died; the executor cannot run another step."""
 
 
 class Executor(ABC):

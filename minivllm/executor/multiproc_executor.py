@@ -19,7 +19,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -36,9 +35,10 @@ from minivllm.distributed.shm_broadcast import (
     remove_queue_files,
     unlink_segment,
 )
-from minivllm.executor.abstract import Executor
+from minivllm.executor.abstract import Executor, ExecutorFailedError
+from minivllm.executor.cpu_placement import cpus_of_rank, pin_to_cpus
 from minivllm.logger import init_logger
-from minivllm.model.layers.linear import shard_range
+from minivllm.utils import get_open_port
 
 if TYPE_CHECKING:
     from minivllm.config import VllmConfig
@@ -48,10 +48,6 @@ logger = init_logger(__name__)
 READY_TIMEOUT_S = 600  # loading a large model from a slow disk
 SHUTDOWN_GRACE_S = 5  # then SIGTERM, and SIGKILL after as long again
 SUCCESS, FAILURE = "ok", "failed"
-
-
-class ExecutorFailedError(RuntimeError):
-    """A worker died; the executor cannot run another step."""
 
 
 @dataclass
@@ -69,7 +65,7 @@ class MultiprocExecutor(Executor):
         self.is_failed = False
         self._shutting_down = False
         self.rpc_broadcast_mq = MessageQueue(self.world_size)
-        self.distributed_init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         context = multiprocessing.get_context("spawn")
         cpus = sorted(os.sched_getaffinity(0))
         self.workers: list[_WorkerProc] = []
@@ -81,7 +77,7 @@ class MultiprocExecutor(Executor):
                 process = context.Process(
                     target=worker_main, name=f"minivllm-worker-{rank}", daemon=True,
                     args=(self.vllm_config, rank, self.distributed_init_method, self.rpc_broadcast_mq.export_handle(),
-                          ready_writer, death_reader, _cpus_of_rank(cpus, self.world_size, rank)),
+                          ready_writer, death_reader, cpus_of_rank(cpus, self.world_size, rank)),
                 )
                 process.start()
                 ready_writer.close()
@@ -186,20 +182,6 @@ def _stop(processes: list[BaseProcess]) -> None:
             return
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpus_of_rank(cpus: list[int], world_size: int, rank: int) -> list[int]:
-    """The cores a rank's threads run on: its own share when there are enough, else all."""
-    if len(cpus) < world_size:
-        return cpus
-    start, size = shard_range(len(cpus), world_size, rank)
-    return cpus[start:start + size]
-
-
 def worker_main(vllm_config: VllmConfig, rank: int, distributed_init_method: str, broadcast_handle: Handle,
                 ready_pipe: Connection, death_pipe: Connection, cpus: list[int]) -> None:
     """A worker process: pin to its cores, load its shard, then run calls until told to stop."""
@@ -207,12 +189,9 @@ def worker_main(vllm_config: VllmConfig, rank: int, distributed_init_method: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     threading.Thread(target=_exit_with_parent, args=(death_pipe,), daemon=True).start()
-    import torch
-
     from minivllm.worker.worker import Worker
 
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    pin_to_cpus(cpus)
     try:
         worker = Worker(vllm_config, local_rank=rank, rank=rank, distributed_init_method=distributed_init_method)
         worker.init_device()

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.distributed.parallel_state import init_distributed_environment
+from minivllm.distributed.parallel_state import (
+    destroy_distributed_environment,
+    init_distributed_environment,
+)
 from minivllm.logger import init_logger
 from minivllm.platforms import get_platform
 from minivllm.platforms.interface import GiB
@@ -89,6 +92,10 @@ class Worker:
 
     def check_health(self) -> None:
         """A worker that answers is alive (the executors watch their processes themselves)."""
+
+    def shutdown(self) -> None:
+        """Leave the distributed world (rank 0 removes the collectives' shared memory)."""
+        destroy_distributed_environment()
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:

@@ -145,23 +145,48 @@ def test_tp2_model_proposers_keep_greedy_output(vocab128, make_llm, tmp_path, me
     assert_engine_idle(llm)
 
 
-def _workers(engine_pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(engine_pid).children(recursive=True)
-            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+def _workers(backend: str, engine_pid: int) -> list[psutil.Process]:
+    """The worker processes: the engine's spawned children (mp), or Ray's actors (ray)."""
+    if backend == "mp":
+        candidates = psutil.Process(engine_pid).children(recursive=True)
+        return [p for p in candidates if "spawn_main" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+    return [p for p in psutil.process_iter() if "RayWorkerWrapper" in _cmdline(p)]
+
+
+def _ray_processes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter() if any(k in _cmdline(p) for k in ("raylet", "gcs_server", "ray::"))]
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _minivllm_shm() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(("minivllm", "psm_"))}
 
 
-def test_killed_worker_fails_every_caller_and_leaves_nothing(cases, monkeypatch):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_killed_worker_fails_every_caller_and_leaves_nothing(cases, monkeypatch, backend):
+    """SIGKILL one worker while four streams decode: every caller gets EngineDeadError within 5 s,
+    and after shutdown no engine, worker, Ray process or shared-memory segment is left."""
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "1")
     shm_before = _minivllm_shm()
     model_dir = cases["llama_kv3"][0]
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), tensor_parallel_size=2, dtype="float32"))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), tensor_parallel_size=2, dtype="float32",
+                                                       distributed_executor_backend=backend))
     try:
-        engine_pid = engine.engine_core.resources.engine.pid
-        workers = _workers(engine_pid)
+        engine_process = psutil.Process(engine.engine_core.resources.engine.pid)
+        workers = _workers(backend, engine_process.pid)
         assert len(workers) == 2
 
         async def stream(i: int) -> None:
@@ -183,13 +208,23 @@ def test_killed_worker_fails_every_caller_and_leaves_nothing(cases, monkeypatch)
             engine.check_health()
     finally:
         engine.shutdown()
-    deadline = time.monotonic() + 10
-    while (psutil.pid_exists(engine_pid) or any(w.is_running() and w.status() != "zombie" for w in workers)) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie"
-    assert not any(w.is_running() and w.status() != "zombie" for w in workers)
+    leftovers = lambda: [p for p in [engine_process, *workers, *_ray_processes()] if not _gone(p)]  # noqa: E731
+    deadline = time.monotonic() + 15
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers()
     assert _minivllm_shm() <= shm_before
+
+
+def test_ray_tp2_matches_hf_with_chunking_and_preemption(cases, make_llm):
+    """The same engine as above with its workers as Ray actors (a local Ray cluster, started and
+    stopped by the executor)."""
+    model_dir, prompts, reference = cases["llama_kv3"]
+    llm = make_llm(model_dir, **TP2, distributed_executor_backend="ray", max_num_batched_tokens=48,
+                   long_prefill_token_threshold=20, num_gpu_blocks_override=31, max_model_len=400)
+    check_logprobs_close(outputs_0=reference, outputs_1=generate_greedy(llm, prompts), name_0="hf", name_1="ray")
+    assert num_preemptions(llm) > 0
+    assert_engine_idle(llm)
 
 
 def test_server_with_tensor_parallel(cases, make_llm):

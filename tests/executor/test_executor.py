@@ -51,7 +51,6 @@ def test_default_backend_follows_the_world_size(fields, backend):
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"data_parallel_size": 2}, "minivllm has no data parallel engine yet"),
-    ({"distributed_executor_backend": "ray"}, "minivllm has no Ray executor yet"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "'uni' runs one worker"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
 ])

@@ -53,6 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
+    from minivllm.bench import all_reduce as bench_all_reduce
     from minivllm.bench import broadcast as bench_broadcast
     from minivllm.bench import latency as bench_latency
     from minivllm.bench import serve as bench_serve
@@ -63,6 +64,7 @@ def make_parser() -> argparse.ArgumentParser:
         ("latency", bench_latency, "Latency of one batch, run repeatedly."),
         ("serve", bench_serve, "Load an OpenAI-compatible server and measure what its users see."),
         ("broadcast", bench_broadcast, "Round-trip latency of the shared-memory message queue."),
+        ("all-reduce", bench_all_reduce, "Cost of tensor parallelism's collectives per call and per step."),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_cli_args(command)

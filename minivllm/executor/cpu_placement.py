@@ -10,9 +10,10 @@ from minivllm.model.layers.linear import shard_range
 
 
 def cpus_of_rank(cpus: list[int], num_local_ranks: int, local_rank: int) -> list[int]:
-    """The cores of a machine's local_rank-th worker: its share when there are enough, else all."""
+    """The cores of a machine's local_rank-th worker: its share, or with more ranks than cores one
+    core, dealt round-robin (ranks then take turns on it, one thread each)."""
     if len(cpus) < num_local_ranks:
-        return cpus
+        return [cpus[local_rank % len(cpus)]]
     start, size = shard_range(len(cpus), num_local_ranks, local_rank)
     return cpus[start:start + size]
 

@@ -65,6 +65,19 @@ def test_tp2_matches_hf(cases, make_llm, name):
     assert_engine_idle(llm)
 
 
+def test_tp4_replicates_kv_heads(make_tiny_model, make_llm):
+    """4 ranks over 2 KV heads (each on two ranks, one query head per rank) and 4 ranks of
+    vocabulary, on 2 cores: ranks share cores, one thread each."""
+    model_dir = make_tiny_model("llama")
+    prompts = [[5, 6, 7, 8] * 4, list(range(100, 160))]
+    reference = [r.as_output() for r in hf_greedy(model_dir, prompts, 16)]
+    llm = make_llm(model_dir, dtype="float32", tensor_parallel_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    outputs = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+               for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1="tp4")
+
+
 def test_tp2_matches_tp1(cases, make_llm):
     model_dir, prompts, _ = cases["llama_kv3"]
     tp1 = generate_greedy(make_llm(model_dir, dtype="float32"), prompts)

@@ -182,6 +182,8 @@ class ParallelConfig:
     """Workers the model is sharded over (one device, or on CPU a share of the cores, each)."""
     data_parallel_size: int = 1
     """Engine cores, each with its own scheduler, KV cache and copy of the model."""
+    data_parallel_rank: int = 0
+    """Which of them this is (set per engine core by the front end)."""
     distributed_executor_backend: str | None = None
     """How the workers run: uni (one worker in the engine process), mp (worker processes), ray.
     None: uni for one worker, mp for more (vLLM's default)."""
@@ -204,12 +206,6 @@ class ParallelConfig:
             )
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'minivllm[ray]'.")
-        # NOTE: the one place that says what exists: engine/ has no data parallel front end yet.
-        if self.data_parallel_size > 1:
-            raise ValueError(
-                f"minivllm has no data parallel engine yet: data_parallel_size={self.data_parallel_size} "
-                "(available: 1)."
-            )
 
     @property
     def world_size(self) -> int:

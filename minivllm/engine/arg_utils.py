@@ -111,7 +111,8 @@ class EngineArgs:
     """Worker processes the model is sharded over (tensor parallelism: each holds its share of
     every layer and of the KV cache; on CPU each takes its share of the cores)."""
     data_parallel_size: int = 1
-    """Engine cores behind one front end (only 1 for now)."""
+    """Engine cores behind one front end, each its own process with its own scheduler, KV cache
+    and copy of the model, on its share of the cores; requests go to the least loaded."""
     distributed_executor_backend: str | None = None
     """How the workers run: uni (in the engine process), mp (worker processes; the default for
     tensor_parallel_size > 1), ray (Ray actors: this machine's cluster, or a local one)."""

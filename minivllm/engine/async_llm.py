@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from minivllm import envs
 from minivllm.config import VllmConfig
 from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import AsyncEngineArgs
-from minivllm.engine.core_client import AsyncMPClient
+from minivllm.engine.core_client import make_async_client
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.logger import init_logger
@@ -42,7 +41,7 @@ class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig) -> None:
         start = time.perf_counter()
         # NOTE: with multiprocessing off (debugging), the engine core runs in a thread instead.
-        self.engine_core = AsyncMPClient(vllm_config, use_thread=not envs.enable_multiprocessing())
+        self.engine_core = make_async_client(vllm_config)
         self.tokenizer, self.processor, self.output_processor = start_front_end(vllm_config, self.engine_core)
         self.vllm_config = self.engine_core.vllm_config
         self.stats = EngineStats(startup_seconds=time.perf_counter() - start)

@@ -42,6 +42,7 @@ from minivllm.engine.messages import (
 )
 from minivllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from minivllm.executor.abstract import Executor
+from minivllm.executor.cpu_placement import cpus_of_rank, pin_to_cpus
 from minivllm.logger import init_logger
 from minivllm.structured_output import StructuredOutputManager
 
@@ -235,6 +236,10 @@ def run_engine_core(
         # The front end owns Ctrl-C and shuts us down; SIGTERM ends the loop cleanly.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _raise_system_exit)
+        parallel = vllm_config.parallel_config
+        if parallel.data_parallel_size > 1:  # this core's share of the machine (its workers split it)
+            cpus = cpus_of_rank(sorted(os.sched_getaffinity(0)), parallel.data_parallel_size, parallel.data_parallel_rank)
+            pin_to_cpus(cpus)
     engine: EngineCoreProc | None = None
     try:
         engine = EngineCoreProc(vllm_config, input_address, output_address)

@@ -370,8 +370,40 @@ def _engine_main(*args: Any) -> None:
     run_engine_core(*args)
 
 
-def make_sync_client(
-    vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None
-) -> InprocClient | SyncMPClient:
-    """process: an interpreter from start_engine_interpreter, when multiprocessing is on."""
-    return SyncMPClient(vllm_config, process) if envs.enable_multiprocessing() else InprocClient(vllm_config)
+def make_sync_client(vllm_config: VllmConfig, process: subprocess.Popen[bytes] | None = None) -> Any:
+    """process: an interpreter from start_engine_interpreter, when multiprocessing is on (it
+    serves the first engine core; data parallel cores after it start their own)."""
+    if not envs.enable_multiprocessing():
+        _refuse_data_parallel(vllm_config)
+        return InprocClient(vllm_config)
+    if vllm_config.parallel_config.data_parallel_size == 1:
+        return SyncMPClient(vllm_config, process)
+    from minivllm.engine.dp_client import SyncDPClient
+
+    return SyncDPClient([SyncMPClient(config, process if rank == 0 else None)
+                         for rank, config in enumerate(data_parallel_configs(vllm_config))])
+
+
+def make_async_client(vllm_config: VllmConfig) -> Any:
+    """The engine core in its own process, or (multiprocessing off, for debugging) a thread."""
+    if not envs.enable_multiprocessing():
+        _refuse_data_parallel(vllm_config)
+        return AsyncMPClient(vllm_config, use_thread=True)
+    if vllm_config.parallel_config.data_parallel_size == 1:
+        return AsyncMPClient(vllm_config)
+    from minivllm.engine.dp_client import AsyncDPClient
+
+    return AsyncDPClient([AsyncMPClient(config) for config in data_parallel_configs(vllm_config)])
+
+
+def data_parallel_configs(vllm_config: VllmConfig) -> list[VllmConfig]:
+    """One config per data parallel engine core: the same, with its rank."""
+    parallel = vllm_config.parallel_config
+    return [dataclasses.replace(vllm_config, parallel_config=dataclasses.replace(parallel, data_parallel_rank=rank))
+            for rank in range(parallel.data_parallel_size)]
+
+
+def _refuse_data_parallel(vllm_config: VllmConfig) -> None:
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 runs each engine core in its own process: it needs "
+                         "MINIVLLM_ENABLE_MULTIPROCESSING=1 (the default).")

@@ -206,6 +206,10 @@ class ParallelConfig:
             )
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'minivllm[ray]'.")
+        if self.distributed_executor_backend == "ray" and self.data_parallel_size > 1:
+            # NOTE: each core would start or join a Ray cluster of its own; not built yet.
+            raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet: "
+                             "use 'mp' for the engine cores' workers.")
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,6 @@
 """The executor seam: the engine core builds its executor only through Executor.get_class, the
-uni executor's worker answers the V1 worker calls by name (collective_rpc), and what does not
-exist yet (data parallel, the Ray executor) is refused before any engine starts."""
+uni executor's worker answers the V1 worker calls by name (collective_rpc), and combinations that
+do not exist are refused before any engine starts."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def test_default_backend_follows_the_world_size(fields, backend):
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"data_parallel_size": 2}, "minivllm has no data parallel engine yet"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "'uni' runs one worker"),
+    ({"distributed_executor_backend": "ray", "data_parallel_size": 2},
+     "data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
 ])
 def test_what_does_not_exist_is_refused_at_configuration(fields, message):

@@ -71,11 +71,12 @@ def _rank_main(args: argparse.Namespace, rank: int, init_method: str, results) -
     row_counts = [int(r) for r in args.rows.split(",")]
 
     def timed(fn) -> np.ndarray:
+        """Calls back to back after one barrier, as a forward makes them (ranks in step)."""
+        dist.barrier()
         for _ in range(20):
             fn()
         times = []
         for _ in range(args.num_iters):
-            dist.barrier()  # every rank starts the call together: the cost, not the skew
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)

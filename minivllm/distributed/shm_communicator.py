@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -59,54 +59,45 @@ class ShmCommunicator:
         self._counters = np.ndarray((world_size,), np.int64, buf, offset=2 * world_size * slot_bytes)
         self._counters[rank] = 0
         self._calls = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum over ranks; float32 accumulation beyond two ranks."""
-        flat = x.contiguous().view(-1)
+        flat = x.reshape(-1)
         out = torch.empty_like(flat)
-        accumulate = torch.float32 if self.world_size > 2 and x.dtype != torch.float64 else x.dtype
-
-        def reduce(start: int, slots: list[torch.Tensor]) -> None:
-            piece = out[start:start + len(slots[0])]
-            if accumulate == x.dtype:
+        for start, slots in self._exchange(flat):
+            piece = out[start:start + slots.shape[1]]
+            if self.world_size == 2:  # one rounding of the exact sum, in any dtype
                 torch.add(slots[0], slots[1], out=piece)
-                for slot in slots[2:]:
-                    piece.add_(slot)
             else:
-                total = slots[0].to(accumulate)
-                for slot in slots[1:]:
-                    total.add_(slot)
-                piece.copy_(total)
-
-        self._exchange(flat, reduce)
+                piece.copy_(slots.sum(0, dtype=torch.float32 if x.dtype != torch.float64 else x.dtype))
         return out.view(x.shape)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x (same shape on every rank), concatenated along dim in rank order."""
-        flat = x.contiguous().view(-1)
+        flat = x.reshape(-1)
         gathered = torch.empty((self.world_size, flat.numel()), dtype=x.dtype)
+        for start, slots in self._exchange(flat):
+            gathered[:, start:start + slots.shape[1]].copy_(slots)
+        return torch.cat(gathered.view(self.world_size, *x.shape).unbind(0), dim=dim % x.dim())
 
-        def collect(start: int, slots: list[torch.Tensor]) -> None:
-            gathered[:, start:start + len(slots[0])].copy_(torch.stack(slots))
-
-        self._exchange(flat, collect)
-        dim = dim % x.dim()
-        parts = gathered.view(self.world_size, *x.shape)
-        return torch.cat(parts.unbind(0), dim=dim)
-
-    def _exchange(self, flat: torch.Tensor, consume: Callable[[int, list[torch.Tensor]], None]) -> None:
-        """Send flat to every rank in pieces of one slot; consume(offset, every rank's piece)
-        runs before the slot set is reused."""
-        per_slot = self.slot_bytes // flat.element_size()
+    def _exchange(self, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Send flat to every rank in pieces of one slot; yields (offset, every rank's piece as
+        [world_size, n]), which the caller must use before asking for the next piece (the slot
+        set is reused two pieces later)."""
+        slots_of = self._typed.get(flat.dtype)
+        if slots_of is None:  # [parity, rank, elements] in this dtype, made once per dtype
+            slots_of = self._typed[flat.dtype] = self._data.view(flat.dtype)
+        per_slot = slots_of.shape[2]
         for start in range(0, max(flat.numel(), 1), per_slot):
             piece = flat[start:start + per_slot]
+            n = piece.numel()
             self._calls += 1
-            slots = self._data[self._calls % 2]
-            slots[self.rank, :piece.numel() * piece.element_size()].view(flat.dtype).copy_(piece)
+            slots = slots_of[self._calls & 1]
+            slots[self.rank, :n].copy_(piece)
             self._counters[self.rank] = self._calls
             self._wait_for_all(self._calls)
-            nbytes = piece.numel() * piece.element_size()
-            consume(start, [slots[r, :nbytes].view(flat.dtype) for r in range(self.world_size)])
+            yield start, slots[:, :n]
 
     def _wait_for_all(self, call: int) -> None:
         counters = self._counters
@@ -123,7 +114,7 @@ class ShmCommunicator:
         """Unmap the segment (and remove it, on the rank that created it)."""
         if self._shm is None:
             return
-        del self._data, self._counters
+        del self._data, self._counters, self._typed
         self._shm.close()
         if self._creator:
             self._shm.unlink()

@@ -2,7 +2,8 @@
 all-gather against sums and concatenations computed independently (every rank can rebuild
 every rank's input from its seed), the same bits on every rank, tensors larger than a slot
 (pieces), empty ones, 2 and 3 ranks, gloo's own all-reduce as a second reference, and the
-segment gone from /dev/shm once every rank has closed it."""
+segment gone from /dev/shm once every rank has closed it; and the TP group model code uses, on
+shared memory and on gloo."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minivllm.distributed.parallel_state import communicator_shm_name
+from minivllm.distributed.parallel_state import (
+    communicator_shm_name,
+    destroy_distributed_environment,
+    get_tp_group,
+    init_distributed_environment,
+)
 from minivllm.distributed.shm_communicator import ShmCommunicator
 
 SHAPES = [(0,), (1, 7), (3, 100), (64, 33)]  # the last two exceed the 256-byte slot: pieces
@@ -58,12 +64,31 @@ def _rank_main(rank: int, world: int, init_method: str, errors) -> None:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_collectives_across_processes(world, free_tcp_port):
+def _group_main(rank: int, world: int, init_method: str, errors, use_shm: bool) -> None:
+    """The TP group as model code sees it: shared memory on one host, gloo when told not to (the
+    path ranks on several machines take); the same answers either way."""
+    try:
+        init_distributed_environment(world, rank, init_method, torch.device("cpu"), use_shm=use_shm)
+        group = get_tp_group()
+        assert (group.rank_in_group, group.world_size) == (rank, world)
+        assert (group.communicator is not None) == use_shm
+        inputs = [_inputs(r, (3, 100), torch.float32) for r in range(world)]
+        assert torch.equal(group.all_reduce(inputs[rank]), inputs[0] + inputs[1])
+        assert torch.equal(group.all_gather(inputs[rank], dim=0), torch.cat(inputs, dim=0))
+        destroy_distributed_environment()
+        assert get_tp_group().world_size == 1
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+
+
+@pytest.mark.parametrize(("world", "target", "extra"), [
+    (2, _rank_main, ()), (3, _rank_main, ()), (2, _group_main, (True,)), (2, _group_main, (False,)),
+], ids=["shm-2", "shm-3", "group-shm", "group-gloo"])
+def test_collectives_across_processes(world, target, extra, free_tcp_port):
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
     init_method = f"tcp://127.0.0.1:{free_tcp_port}"
-    procs = [context.Process(target=_rank_main, args=(r, world, init_method, errors)) for r in range(world)]
+    procs = [context.Process(target=target, args=(r, world, init_method, errors, *extra)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

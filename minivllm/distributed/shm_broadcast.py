@@ -292,11 +292,16 @@ def _release(shm: SharedMemory, is_writer: bool, socket: zmq.Socket, tmpdir: str
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def unlink_segment(name: str) -> None:
+def unlink_segment(name: str, tracked_here: bool = True) -> None:
     """Remove a shared-memory segment by name, if it is still there (its creator may have died
-    before it could)."""
+    before it could). tracked_here: made by this process or a child sharing its resource tracker,
+    which is told to forget it; False for one made elsewhere on this machine (a Ray actor), whose
+    file is removed without a word to a tracker that never knew it."""
     try:
-        attach_segment(name).unlink()
+        if tracked_here:
+            attach_segment(name).unlink()
+        else:
+            os.unlink(f"/dev/shm/{name}")
     except FileNotFoundError:
         pass
 

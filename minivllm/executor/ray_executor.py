@@ -22,6 +22,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from minivllm.distributed.parallel_state import communicator_shm_name
+from minivllm.distributed.shm_broadcast import unlink_segment
 from minivllm.executor.abstract import Executor, ExecutorFailedError
 from minivllm.executor.cpu_placement import cpus_of_rank, pin_to_cpus
 from minivllm.logger import init_logger
@@ -71,6 +73,7 @@ class RayDistributedExecutor(Executor):
         self.actors: list[Any] = []
         self.placement_group = None
         self.distributed_init_method: str | None = None
+        self._rank0_here = False
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             # An existing cluster if one is running (or RAY_ADDRESS names one), else a local one.
@@ -85,6 +88,9 @@ class RayDistributedExecutor(Executor):
                 for rank in range(self.world_size)
             ]
             nodes = ray.get([a.node.remote() for a in self.actors])
+            # Rank 0 makes the collectives' segment; on this machine, shutdown can remove it
+            # should rank 0 die before it does.
+            self._rank0_here = nodes[0][0] == ray.get_runtime_context().get_node_id()
             self.distributed_init_method = f"tcp://{nodes[0][1]}:{ray.get(self.actors[0].open_port.remote())}"
             ray.get([
                 actor.init_worker.remote(self.vllm_config, rank, self.distributed_init_method, _cpus(nodes, rank))
@@ -122,8 +128,9 @@ class RayDistributedExecutor(Executor):
             raise ExecutorFailedError(f"A worker is gone: {e}") from None
 
     def shutdown(self) -> None:
-        """Let the workers leave their world (rank 0 removes its shared memory), kill the actors,
-        free their placement group, and stop Ray if this executor started it."""
+        """Let the workers leave their world (rank 0 removes its shared memory; if it cannot, a
+        dead peer holding it in a collective, this process does), kill the actors, free their
+        placement group, and stop Ray if this executor started it."""
         if not ray.is_initialized():
             return
         if self.actors and not self.is_failed:
@@ -137,6 +144,8 @@ class RayDistributedExecutor(Executor):
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
+        if self.distributed_init_method is not None and self._rank0_here:
+            unlink_segment(communicator_shm_name(self.distributed_init_method), tracked_here=False)
         if self._started_ray:
             ray.shutdown()
 

@@ -34,6 +34,11 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if torch.jit.is_tracing():  # a decode trace records the op and calls it when replayed
+            return torch.ops.minivllm_dist.tp_all_reduce(x)
+        return self.all_reduce_eager(x)
+
+    def all_reduce_eager(self, x: torch.Tensor) -> torch.Tensor:
         if self.communicator is not None:
             return self.communicator.all_reduce(x)
         x = x.clone()
@@ -54,6 +59,18 @@ class GroupCoordinator:
         if self.communicator is not None:
             self.communicator.close()
             self.communicator = None
+
+
+@torch.library.custom_op("minivllm_dist::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The TP group's all-reduce as an op, so that a TorchScript trace of the decode forward
+    (worker/decode_graph.py) records it: the trace keeps ops, not Python calls."""
+    return _TP.all_reduce_eager(x)
+
+
+@_tp_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 _SINGLE = GroupCoordinator(rank_in_group=0, world_size=1)

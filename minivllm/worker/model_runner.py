@@ -21,7 +21,6 @@ from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
 from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
-from minivllm.distributed.parallel_state import get_tp_group
 from minivllm.model.layers.attention import Attention
 from minivllm.model.loader import get_model
 from minivllm.sample.ops.bitmask import apply_token_bitmask
@@ -128,10 +127,8 @@ class ModelRunner:
         self.input_batch = self._make_input_batch(self._block_sizes)
         self.requests = {}
         qualname = self.platform.graph_runner_qualname()
-        # NOTE: a proposer that reads every token's hidden states gets them from eager forwards;
-        # a trace would not record the tensor-parallel collectives (Python over shared memory).
-        if (qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states)
-                or get_tp_group().world_size > 1):
+        # NOTE: a proposer that reads every token's hidden states gets them from eager forwards.
+        if qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states):
             self.graph_runner = None
         else:
             module_name, class_name = qualname.rsplit(".", 1)

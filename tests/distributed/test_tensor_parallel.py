@@ -78,6 +78,24 @@ def test_tp4_replicates_kv_heads(make_tiny_model, make_llm):
     check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1="tp4")
 
 
+def test_tp2_decode_trace_records_the_collectives(cases, make_llm, capfd):
+    """Past TRACE_AFTER_STEPS decode steps each rank records its forward (worker/decode_graph.py)
+    with the all-reduces in it as ops, and replays it: the output stays the TP=1 engine's."""
+    model_dir = cases["llama_head_dim_64"][0]  # the CPU kernels' attention, which traces
+    prompts = [[5, 6, 7, 8, 9], list(range(200, 240))]
+    params = SamplingParams(temperature=0.0, max_tokens=260, ignore_eos=True, logprobs=5)
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    tp1 = run(make_llm(model_dir, dtype="float32"))
+    capfd.readouterr()
+    tp2 = run(make_llm(model_dir, **TP2))
+    assert capfd.readouterr().err.count("Traced the decode step") == 2  # one trace per rank
+    check_logprobs_close(outputs_0=tp1, outputs_1=tp2, name_0="tp1", name_1="tp2 traced")
+
+
 def test_tp2_matches_tp1(cases, make_llm):
     model_dir, prompts, _ = cases["llama_kv3"]
     tp1 = generate_greedy(make_llm(model_dir, dtype="float32"), prompts)

@@ -22,6 +22,20 @@ def get_head_size(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def get_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config:
+    `layer_types` where the config has them (Gemma 2/3, Qwen2/3 with use_sliding_window, whose
+    config builds them from max_window_layers), else `sliding_window` on every layer unless
+    `use_sliding_window` is false (Mistral)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if not getattr(hf_config, "use_sliding_window", True):
+        window = None
+    return [window] * hf_config.num_hidden_layers
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -78,6 +92,10 @@ class CacheConfig:
     """Reuse the KV blocks of prompt prefixes computed before (vLLM V1's default)."""
     prefix_caching_hash_algo: str = "sha256"
     """Block hash: sha256 (collision-resistant) or builtin (Python's hash, faster)."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Treat sliding-window layers as full attention in the KV manager: one KV cache group that
+    keeps every block (the window still masks attention). For comparison, or for a drafter whose
+    pages differ in size from the target's sliding-window layers."""
     num_gpu_blocks: int | None = None
     """Set by the engine after the worker has sized the cache."""
 

@@ -88,5 +88,10 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # get_kv_cache_shape(...)
         attn_metadata: Any,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write the new K/V into the cache by slot mapping, then attend through block tables."""
+        """Write the new K/V into the cache by slot mapping, then attend through block tables;
+        with a sliding window W, a query at position p attends to keys p - W + 1 .. p only.
+
+        NOTE: the window is the layer's, not the step's: with the hybrid KV cache manager off, a
+        sliding-window layer shares a KV cache group (and its metadata) with full ones."""

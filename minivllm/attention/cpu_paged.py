@@ -4,7 +4,8 @@ Every token reads its request's K/V straight from the cache blocks: no gathered 
 no padding to the longest request, float32 accumulation. Decode tokens, any number of them at
 any lengths, go to one kernel call per layer (paged_attention.cpp); prefill tokens, whether a
 whole prompt, a later chunk or the rest of a prompt after a prefix-cache hit, to one more
-(paged_prefill_attention.cpp), which applies the causal mask by position. The new K/V go into
+(paged_prefill_attention.cpp), which applies the causal mask by position. A sliding-window layer
+passes its window, and both kernels then read only the keys inside it. The new K/V go into
 the cache first, by one copy per token and head.
 
 Same cache layout as the reference backend (backend.py: head_major_kv_cache_shape), so both read
@@ -29,7 +30,7 @@ from minivllm.attention.backend import (
 from minivllm.ops import cpu_kernels
 from minivllm.utils import cdiv
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -68,6 +69,7 @@ class CpuPagedMetadata:
 class CpuPagedAttentionBackend(AttentionBackend):
     name = "CPU_PAGED"
     graph_support = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    supports_sliding_window = True
     get_kv_cache_shape = staticmethod(head_major_kv_cache_shape)
 
     @classmethod
@@ -98,6 +100,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         attn_metadata: CpuPagedMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
         ops = torch.ops.minivllm_cpu
@@ -105,10 +108,13 @@ class CpuPagedAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)  # every row is written by one of the two calls
         if len(md.decodes):
             d = md.decodes
-            ops.paged_decode_attention(output, query, kv_cache, d.token_starts, d.block_tables, d.seq_lens, scale)
+            ops.paged_decode_attention(
+                output, query, kv_cache, d.token_starts, d.block_tables, d.seq_lens, scale, sliding_window or 0
+            )
         if len(md.prefills):
             p = md.prefills
             ops.paged_prefill_attention(
-                output, query, kv_cache, p.token_starts, p.query_lens, p.seq_lens, p.block_tables, scale
+                output, query, kv_cache, p.token_starts, p.query_lens, p.seq_lens, p.block_tables, scale,
+                sliding_window or 0,
             )
         return output

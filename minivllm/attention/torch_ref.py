@@ -15,7 +15,7 @@ earlier K/V from the cache and uses a bottom-right causal mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,20 @@ class PrefillSpan:
     block_ids: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     seq_len: int = 0
+    # Causal masks with a sliding window, by window (built by the first layer that asks).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, sliding_window: int, device: torch.device) -> torch.Tensor:
+        """[q_len, seq_len] True where the query may attend: causal, and key > query - window.
+        (With no context the keys are the span's own tokens: positions 0.. as well.)"""
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            seq_len = self.context_len + self.end - self.start
+            q_pos = torch.arange(self.context_len, seq_len, device=device)
+            k_pos = torch.arange(seq_len, device=device)
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            self.window_masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -45,6 +59,21 @@ class DecodeGroup:
     token_indices: torch.Tensor | None  # [num_reqs] rows of the flat batch; None: all, in order
     block_ids: torch.Tensor  # [num_reqs * max_blocks], flattened block tables
     mask: torch.Tensor  # [1, num_reqs, 1, max_blocks * block_size], True = padding
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    # `mask` plus the keys before each request's window, by window (built on first use).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def masked(self, sliding_window: int | None) -> torch.Tensor:
+        """True where a key is padding or (with a window) older than the window."""
+        if sliding_window is None:
+            return self.mask
+        mask = self.window_masks.get(sliding_window)
+        if mask is None:
+            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            outside = k_pos[None, :] <= (self.seq_lens - 1 - sliding_window)[:, None]
+            mask = self.mask | outside[None, :, None, :]
+            self.window_masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -67,6 +96,7 @@ class TorchRefAttentionBackend(AttentionBackend):
     groups, prefill spans), so no recorded forward replays it."""
 
     name = "TORCH_REF"
+    supports_sliding_window = True
     get_kv_cache_shape = staticmethod(head_major_kv_cache_shape)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchRefMetadata:
@@ -88,6 +118,7 @@ class TorchRefAttentionBackend(AttentionBackend):
                 None if everything else _to_device(token_indices, device),
                 _to_device(common.block_table[rows, :num_blocks].reshape(-1), device),
                 torch.from_numpy(padding).to(device)[None, :, None, :],
+                _to_device(seq_lens, device),
             ))
         prefills = build_prefill_spans(common, np.flatnonzero(~is_decode & (query_lens > 0)))
         return TorchRefMetadata(common.slot_mapping, decodes, prefills)
@@ -100,6 +131,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         attn_metadata: TorchRefMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
@@ -108,12 +140,12 @@ class TorchRefAttentionBackend(AttentionBackend):
 
         decodes = attn_metadata.decodes
         if len(decodes) == 1 and decodes[0].token_indices is None:
-            return _paged_decode_attention(query, key_blocks, value_blocks, decodes[0], scale)
+            return _paged_decode_attention(query, key_blocks, value_blocks, decodes[0], scale, sliding_window)
         output = torch.empty_like(query)
         for group in decodes:
             idx = group.token_indices
-            output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, group, scale)
-        prefill_attention(query, key, value, kv_cache, attn_metadata.prefills, scale, output)
+            output[idx] = _paged_decode_attention(query[idx], key_blocks, value_blocks, group, scale, sliding_window)
+        prefill_attention(query, key, value, kv_cache, attn_metadata.prefills, scale, output, sliding_window)
         return output
 
 
@@ -151,9 +183,11 @@ def prefill_attention(
     spans: list[PrefillSpan],
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None = None,
 ) -> None:
     """One SDPA call per prefill span into its rows of `output`: a fresh prompt attends to its
-    own new K/V; a later chunk to its whole sequence, gathered from the cache (K/V written)."""
+    own new K/V; a later chunk to its whole sequence, gathered from the cache (K/V written).
+    A sliding window masks the keys before each query's window."""
     num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
     for span in spans:
         # NOTE: 4-D inputs (a batch of one) let CPU SDPA take its flash kernel with GQA;
@@ -170,6 +204,8 @@ def prefill_attention(
             v = value_blocks.index_select(1, span.block_ids).view(num_kv_heads, -1, head_dim)
             k, v = k[None, :, : span.seq_len], v[None, :, : span.seq_len]
             mask, causal = span.attn_mask, False
+        if sliding_window is not None:
+            mask, causal = span.window_mask(sliding_window, query.device), False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
@@ -200,6 +236,7 @@ def _paged_decode_attention(
     value_blocks: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:  # [B, heads, head_dim]
     """One query token per request against its K/V, gathered block-wise and padded.
 
@@ -217,7 +254,7 @@ def _paged_decode_attention(
     if query.dtype != torch.float32 and num_reqs * k.shape[2] <= FLOAT32_GROUP_TOKENS:
         q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [kv_heads, B, group, L]
-    scores.masked_fill_(group.mask, float("-inf"))
+    scores.masked_fill_(group.masked(sliding_window), float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [kv_heads, B, group, head_dim]
     return out.to(query.dtype).transpose(0, 1).reshape(num_reqs, num_heads, head_dim)

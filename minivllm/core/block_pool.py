@@ -160,6 +160,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to cached blocks; unused ones leave the free queue (no longer evictable)."""
         for block in blocks:
+            if block is self.null_block:  # a sliding window's skipped blocks: nothing to hold
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -174,6 +176,8 @@ class BlockPool:
         """
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             key = (block_hash, kv_cache_group_id)
+            if block is self.null_block:  # stands for a block a sliding window already freed
+                continue
             if block.block_hash is None and key not in self.cached_block_hash_to_block:
                 block.block_hash = key
                 self.cached_block_hash_to_block[key] = block

@@ -39,7 +39,8 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...] | None:
         """Give the request slots for `num_tokens` tokens in every group, after taking its
         prefix cache hit `new_computed_blocks`; the new blocks per group, or None (and nothing
-        touched) when the pool cannot give all groups what they need."""
+        touched but the blocks that fell out of a sliding window, given back first so that they
+        count as free) when the pool cannot give all groups what they need."""
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
         num_blocks_to_allocate = sum(

@@ -1,7 +1,7 @@
 """What the KV cache is made of, as plain data (vLLM V1's kv_cache_interface).
 
-Each attention layer states how it uses the cache (a KVCacheSpec: full attention today; sliding
-window is the next kind). Layers with the same spec form a KV cache group: one block table per
+Each attention layer states how it uses the cache (a KVCacheSpec: full attention, or a sliding
+window of a given size). Layers with the same spec form a KV cache group: one block table per
 group and request, allocated by the scheduler's KV manager from one shared BlockPool. The
 KVCacheConfig says how many blocks there are, which layers form each group, and which tensors
 back them. The engine core computes it (core/kv_cache_utils.py: get_kv_cache_config) from the
@@ -37,9 +37,9 @@ class KVCacheSpec:
         their head counts, so they share one block table: one KV cache group."""
         return (type(self).__name__, self.block_size)
 
-    def max_memory_usage_bytes(self, max_model_len: int) -> int:
-        """Bytes one request of max_model_len tokens can hold in this layer."""
-        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+    def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request can hold in this layer's group at any time."""
+        return cdiv(max_model_len, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,30 @@ class AttentionSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
-    """Every token attends to all earlier ones: a request keeps blocks for all its tokens."""
+    """Every token attends to all earlier ones: a request keeps blocks for all its tokens.
+
+    A sliding-window layer has this spec too when the hybrid KV cache manager is off
+    (CacheConfig.disable_hybrid_kv_cache_manager): its window then only masks attention, and the
+    request keeps every block, as a full-attention layer's."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A token attends to itself and the `sliding_window - 1` tokens before it (HF's and vLLM's
+    convention: key position > query position - sliding_window). Blocks wholly before the window
+    of a request's next token are never read again, so the KV manager frees them."""
+
+    sliding_window: int
+
+    @property
+    def group_key(self) -> tuple[object, ...]:
+        return (*super().group_key, self.sliding_window)
+
+    def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """A step's new tokens (up to max_num_batched_tokens) and the window before the first of
+        them, plus one block for a window that does not start at a block boundary."""
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ class KVCacheManager:
 
         Returns the ids of the newly allocated blocks per KV cache group (possibly empty lists),
         or None when the pool does not have enough free blocks for all groups — the scheduler
-        then preempts or waits. Nothing is allocated or touched on failure.
+        then preempts or waits. Nothing is allocated or touched on failure; only the blocks that
+        fell out of a sliding window are given back either way (no token reads them again).
         """
         hit_blocks = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
         num_computed = request.num_computed_tokens + len(hit_blocks[0]) * self.block_size

@@ -17,10 +17,15 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from minivllm.utils import cdiv
+from minivllm.core.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig, SchedulerConfig
@@ -76,8 +81,8 @@ def get_kv_cache_config(
     """The KV cache of one worker: its layers' specs (layer name -> spec, in layer order) and
     the bytes it may use for the cache give the groups, the number of blocks and the tensors.
 
-    Raises ValueError when the layers need several KV cache groups, or when the cache cannot
-    hold one request of max_model_len tokens.
+    Raises ValueError when layers of several kinds have pages of different sizes, or when the
+    cache cannot hold one request of max_model_len tokens.
     """
     return get_kv_cache_configs(cache_config, scheduler_config, [kv_cache_spec], available_memory)[0]
 
@@ -91,50 +96,96 @@ def get_kv_cache_configs(
     """One KVCacheConfig per worker (get_kv_cache_config), all with the same number of blocks: a
     block id names one block on every worker, and tensor-parallel ranks may hold different numbers
     of KV heads (3 heads on 2 ranks), so the rank with the largest pages sets the count."""
-    # NOTE: a block id names one block in every layer, so a block costs the sum of the
-    # layers' pages (layers may differ in head count and size).
+    if cache_config.disable_hybrid_kv_cache_manager:
+        kv_cache_specs = [{name: _as_full_attention(spec) for name, spec in specs.items()}
+                          for specs in kv_cache_specs]
+    layouts = [_plan_layout(specs) for specs in kv_cache_specs]
     num_blocks = min(
         _get_num_blocks(
-            cache_config, scheduler_config, available_memory // sum(s.page_size_bytes for s in spec.values())
+            cache_config, scheduler_config, available_memory // layout.bytes_per_block,
+            sum(group.kv_cache_spec.max_num_blocks_per_request(
+                scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens)
+                for group in layout.groups),
         )
-        for spec in kv_cache_specs
+        for layout in layouts
     )
     return [
         KVCacheConfig(
             num_blocks=num_blocks,
-            kv_cache_tensors=tuple(
-                KVCacheTensor(size=num_blocks * layer_spec.page_size_bytes, shared_by=(layer_name,))
-                for layer_name, layer_spec in spec.items()
-            ),
-            kv_cache_groups=_get_kv_cache_groups(spec),
+            kv_cache_tensors=tuple(KVCacheTensor(num_blocks * page, layers) for layers, page in layout.tensors),
+            kv_cache_groups=layout.groups,
         )
-        for spec in kv_cache_specs
+        for layout in layouts
     ]
 
 
-def _get_kv_cache_groups(kv_cache_spec: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
-    """One group per distinct group_key, layers in layer order; only one group is supported."""
+def _as_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
+    """A sliding-window layer's spec as full attention (the window then only masks attention)."""
+    if not isinstance(spec, SlidingWindowSpec):
+        return spec
+    return FullAttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+
+
+class _Layout(NamedTuple):
+    """One worker's groups and tensors, before the number of blocks is known."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    tensors: tuple[tuple[tuple[str, ...], int], ...]  # (layers sharing it, bytes per block)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(page for _, page in self.tensors)
+
+
+def _plan_layout(kv_cache_spec: dict[str, KVCacheSpec]) -> _Layout:
+    """Group the layers and lay out their tensors.
+
+    Layers of one kind (one group_key) form one group, and each has its own tensor: a block id
+    names one block in every layer. Layers of several kinds (sliding-window and full attention:
+    Gemma 3, Qwen2 with max_window_layers) need one block table per kind, since a sliding window
+    frees blocks that full attention keeps. As in vLLM, every group then gets the same number of
+    layers (the fewest any kind has; a kind's last group may have fewer), and tensor j holds the
+    j-th layer of every group: a block belongs to one group at a time, so the groups share the
+    memory, and a block costs the pages of one group's layers instead of all layers'. That needs
+    pages of one size.
+    """
     layers_by_key: dict[tuple[object, ...], list[str]] = {}
     for layer_name, spec in kv_cache_spec.items():
         layers_by_key.setdefault(spec.group_key, []).append(layer_name)
-    if len(layers_by_key) > 1:
+    if len(layers_by_key) == 1:
+        (layer_names,) = layers_by_key.values()
+        group = KVCacheGroupSpec(tuple(layer_names), kv_cache_spec[layer_names[0]])
+        return _Layout((group,), tuple(((name,), kv_cache_spec[name].page_size_bytes) for name in layer_names))
+    first, *others = kv_cache_spec
+    page = kv_cache_spec[first].page_size_bytes
+    other = next((name for name in others if kv_cache_spec[name].page_size_bytes != page), None)
+    if other is not None:
         raise ValueError(
-            f"The model's layers use the KV cache in {len(layers_by_key)} different ways "
-            f"({', '.join(map(str, layers_by_key))}); they need the hybrid KV cache manager, "
-            "which minivllm does not have yet (issue 24 adds it)."
+            f"The hybrid KV cache manager needs one page size for all layers, but layers {first} "
+            f"({kv_cache_spec[first]}) and {other} ({kv_cache_spec[other]}) differ (a draft model "
+            "of another shape beside a sliding-window model?). Pass "
+            "--disable-hybrid-kv-cache-manager to keep every layer's blocks as full attention does."
         )
-    return tuple(
-        KVCacheGroupSpec(tuple(layer_names), kv_cache_spec[layer_names[0]])
-        for layer_names in layers_by_key.values()
+    group_size = min(len(names) for names in layers_by_key.values())
+    groups = tuple(
+        KVCacheGroupSpec(tuple(names[i : i + group_size]), kv_cache_spec[names[i]])
+        for names in layers_by_key.values()
+        for i in range(0, len(names), group_size)
     )
+    tensors = tuple(
+        (tuple(group.layer_names[j] for group in groups if j < len(group.layer_names)), page)
+        for j in range(group_size)
+    )
+    return _Layout(groups, tensors)
 
 
 def _get_num_blocks(
-    cache_config: CacheConfig, scheduler_config: SchedulerConfig, num_blocks_in_memory: int
+    cache_config: CacheConfig, scheduler_config: SchedulerConfig, num_blocks_in_memory: int,
+    blocks_per_request: int,
 ) -> int:
-    """The blocks the budget holds, capped at what can ever be used; or exactly the override."""
+    """The blocks the budget holds, capped at what can ever be used; or exactly the override.
+    `blocks_per_request`: the most one request holds, summed over the groups."""
     block_size = cache_config.block_size
-    blocks_per_request = cdiv(scheduler_config.max_model_len, block_size)
     if cache_config.num_gpu_blocks_override is not None:
         num_blocks = cache_config.num_gpu_blocks_override
     else:

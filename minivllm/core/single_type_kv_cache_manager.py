@@ -2,10 +2,10 @@
 them are in the prefix cache.
 
 The KVCacheCoordinator owns one manager per group, all drawing from one shared BlockPool. What
-depends on how the group's layers attend is a method here: how many blocks a request needs, which
-blocks it no longer needs, and what counts as a prefix cache hit. Full attention (every token
-attends to all earlier ones) is the only kind today; a sliding window manager overrides those
-methods (issue 24).
+depends on how the group's layers attend is a method here: which blocks a request no longer
+needs, and what counts as a prefix cache hit. Full attention keeps every block and needs the
+whole prefix cached; a sliding window gives back the blocks that fell out of the window (their
+place in the request's list taken by the null block) and needs only the last window cached.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from minivllm.core.kv_cache_interface import FullAttentionSpec
+from minivllm.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from minivllm.utils import cdiv
 
 if TYPE_CHECKING:
@@ -131,8 +131,67 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hit_blocks
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A token attends to the last `sliding_window` tokens (itself included): a request keeps the
+    blocks its next token's window reaches; earlier entries of its list are the null block."""
+
+    def __init__(
+        self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks wholly before the window of the token at `num_computed_tokens`.
+
+        NOTE: freed blocks keep their prefix cache entry (they go to the free queue's tail):
+        another request whose window ends there can still hit them. Walking back from the last
+        skipped block stops at the first null block, since everything before it went earlier.
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        first_needed_token = max(0, num_computed_tokens - self.sliding_window + 1)
+        removed = []
+        for i in range(min(first_needed_token // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is self.block_pool.null_block:
+                break
+            removed.append(blocks[i])
+            blocks[i] = self.block_pool.null_block
+        self.block_pool.free_blocks(removed)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """The longest hit whose last `sliding_window - 1` tokens' blocks are cached, searched
+        from the right: the next token reads only those. Earlier blocks are the null block.
+
+        NOTE: a hit at the very start (shorter than the window) needs all its blocks, as with
+        full attention; cdiv(window - 1, block_size) blocks cover the window of the next token.
+        """
+        num_blocks = max_length // self.block_size
+        needed = cdiv(self.sliding_window - 1, self.block_size)
+        hit_blocks: list[KVCacheBlock] = [self.block_pool.null_block] * num_blocks
+        run = 0  # cached blocks in a row, ending at block i
+        for i in range(num_blocks - 1, -1, -1):
+            block = self.block_pool.get_cached_block(block_hashes[i], self.kv_cache_group_id)
+            if block is None:
+                run = 0
+                continue
+            hit_blocks[i] = block
+            run += 1
+            if run >= needed:
+                # Blocks i .. i + run - 1 are cached and the hit ends after them.
+                del hit_blocks[i + run :]
+                return hit_blocks
+        # Fewer than `needed` blocks in a row anywhere: a hit from the start, if any.
+        num_leading = next((i for i, b in enumerate(hit_blocks) if b is self.block_pool.null_block), num_blocks)
+        return hit_blocks[:num_leading]
+
+
 spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 

@@ -72,6 +72,8 @@ class EngineArgs:
     """On CPU: KV cache size in GiB; default: $MINIVLLM_CPU_KVCACHE_SPACE or 4."""
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     """Force the number of KV cache blocks (for testing preemption)."""
+    disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager
+    """Keep every block of sliding-window layers, as full attention does (one KV cache group)."""
     enforce_eager: bool = ModelConfig.enforce_eager
     """Run every step eagerly: on CPU, no decode steps replayed from a trace (worker/decode_graph.py)."""
     device: str = "auto"
@@ -249,6 +251,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
         )
 
     def _create_structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -285,12 +288,6 @@ class EngineArgs:
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         derived = getattr(hf_config, "max_position_embeddings", None) or 2048
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True) and window < derived:
-            # Sliding-window attention is not implemented: full attention is exact only inside
-            # the window, so the context is capped there rather than silently diverging.
-            logger.warning("Sliding window %d: capping max_model_len at %d.", window, window)
-            derived = window
         if self.max_model_len is None:
             return int(derived)
         if self.max_model_len > derived:

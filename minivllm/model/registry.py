@@ -10,6 +10,7 @@ import importlib
 
 # architecture name -> (module under minivllm.model.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),

@@ -19,6 +19,7 @@ import torch
 
 from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
+from minivllm.config import get_sliding_windows
 from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
 from minivllm.model.layers.attention import Attention
@@ -71,7 +72,9 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        self.attn_backend: AttentionBackend = get_attn_backend(platform, self.dtype, self.model_config.get_head_size())
+        window = next((w for w in get_sliding_windows(self.model_config.hf_config) if w is not None), None)
+        self.attn_backend: AttentionBackend = get_attn_backend(
+            platform, self.dtype, self.model_config.get_head_size(), window)
         self.sampler = Sampler(platform.argmax)
         spec_config = vllm_config.speculative_config
         self.num_spec_tokens = spec_config.num_speculative_tokens if spec_config else 0

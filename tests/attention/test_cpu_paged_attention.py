@@ -166,3 +166,24 @@ def _step_output(backend) -> torch.Tensor:
     q = torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16)
     k = torch.randn(3, 3, 64, generator=gen).to(torch.bfloat16)
     return backend.forward(q, k, k.clone(), cache, backend.build_metadata(common), 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 512])
+def test_sliding_window_matches_formula_without_reading_freed_blocks(window, dtype):
+    """Decodes and prefill chunks that straddle the window's edge, shorter and longer than it;
+    the blocks before each request's window hold NaN (freed by the KV manager, maybe reused), so
+    reading any of them would show. Head dim 256 (Gemma 3: 4 query heads on one KV head) too."""
+    seq_lens = [1, 17, 40, 64, 200, 530, 90, 600]
+    query_lens = [1, 1, 40, 1, 37, 1, 70, 300]
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 256)):
+        run_step(CpuPagedAttentionBackend(), seq_lens, query_lens, dtype=dtype, heads=heads,
+                 kv_heads=kv_heads, head_dim=head_dim, block_size=16, sliding_window=window, seed=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_256_matches_formula(dtype):
+    """Gemma 3's head size, without a window: decodes, a fresh prompt over several tiles and a
+    later chunk."""
+    run_step(CpuPagedAttentionBackend(), [1, 70, 300, 33], [1, 70, 1, 20], dtype=dtype, heads=4,
+             kv_heads=1, head_dim=256, block_size=16, seed=7)

@@ -52,10 +52,14 @@ def test_kernels_switched_off(cpu_kernels, monkeypatch):
     assert type(get_attn_backend(CPU, torch.bfloat16, 64)) is TorchRefAttentionBackend
 
 
-def test_sliding_window_skips_backends_without_it(cpu_kernels):
-    """Neither backend has sliding-window attention yet: a model that needs it gets an error
-    naming each backend and why, not full attention."""
-    assert not TorchRefAttentionBackend.supports_sliding_window
+def test_sliding_window_skips_backends_without_it(cpu_kernels, monkeypatch):
+    """A model with sliding-window layers gets a backend that has them: the next candidate when
+    the best one lacks them, else an error naming each backend and why, never full attention."""
+    assert type(get_attn_backend(CPU, torch.bfloat16, 64, sliding_window=512)) is CpuPagedAttentionBackend
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supports_sliding_window", False)
+    assert type(get_attn_backend(CPU, torch.bfloat16, 64, sliding_window=512)) is TorchRefAttentionBackend
+    assert type(get_attn_backend(CPU, torch.bfloat16, 64)) is CpuPagedAttentionBackend
+    monkeypatch.setattr(TorchRefAttentionBackend, "supports_sliding_window", False)
     with pytest.raises(ValueError, match="CPU_PAGED: no sliding-window attention; TORCH_REF: no sliding-window"):
         get_attn_backend(CPU, torch.bfloat16, 64, sliding_window=512)
 

@@ -42,3 +42,11 @@ def test_bfloat16_decodes_in_either_precision(monkeypatch, float32_tokens):
     the formula to bfloat16 precision."""
     monkeypatch.setattr(torch_ref, "FLOAT32_GROUP_TOKENS", float32_tokens)
     run_step(torch_ref.TorchRefAttentionBackend(), [5, 17, 3, 40, 9], [1, 1, 1, 1, 9], seed=4, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 100])
+def test_sliding_window(window):
+    """Decodes and chunks across the window's edge; the blocks before each window hold large
+    values (this backend gathers whole block tables and masks by position: they must not count)."""
+    run_step(torch_ref.TorchRefAttentionBackend(), [1, 17, 40, 64, 130, 90], [1, 1, 40, 1, 37, 70],
+             sliding_window=window, poison=1e4, seed=window)

@@ -76,6 +76,8 @@ class Scenario:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     max_step_ms: float | None = None
+    # Each group's sliding window, None for full attention (len: num_kv_cache_groups).
+    kv_cache_windows: tuple[int | None, ...] | None = None
 
 
 def _token_run(seed: int, length: int) -> list[int]:
@@ -142,7 +144,7 @@ def build_scenario(
     aborts = [(ints(0, 40), ints(0, num_requests - 1)) for _ in range(ints(0, 2))]
     # Drawn last, so that the rest of a scenario does not depend on them.
     num_groups = ints(1, 2)
-    return Scenario(
+    scenario = Scenario(
         block_size,
         max_model_len,
         num_groups * (blocks_per_req + extra) + 1,
@@ -161,6 +163,14 @@ def build_scenario(
         max_num_partial_prefills=ints(1, 3),
         max_step_ms=ints(1, 30) if enable_chunked_prefill and ints(0, 1) else None,
     )
+    # Sliding windows from one token to a few blocks, or full attention, per group; the cache
+    # then as crowded as before, counted in the blocks a request can hold in each group.
+    windows = tuple(ints(1, 3 * block_size) if ints(0, 1) else None for _ in range(num_groups))
+    scenario.kv_cache_windows = windows
+    scenario.num_blocks = 1 + sum(
+        min(blocks_per_req, cdiv(w - 1 + budget, block_size) + 1) if w else blocks_per_req for w in windows
+    ) + num_groups * extra
+    return scenario
 
 
 def expected_num_tokens(spec: ReqSpec, max_model_len: int) -> tuple[int, set[FinishReason]]:
@@ -193,6 +203,7 @@ def run_scenario(sc: Scenario) -> ScenarioRun:
         enable_prefix_caching=sc.enable_prefix_caching,
         prefix_caching_hash_algo=sc.hash_algo,
         num_kv_cache_groups=sc.num_kv_cache_groups,
+        kv_cache_windows=sc.kv_cache_windows,
         scheduling_policy=sc.scheduling_policy,
         long_prefill_token_threshold=sc.long_prefill_token_threshold,
         max_num_partial_prefills=sc.max_num_partial_prefills,
@@ -337,6 +348,8 @@ def _events(sc: Scenario, run: ScenarioRun) -> None:
     ):
         event("EOS stop")
     event(f"{sc.num_kv_cache_groups} KV cache group(s)")
+    if any(sc.kv_cache_windows or ()):
+        event("sliding window group")
     if run.worker.num_draft_tokens:
         event("drafts accepted" if run.worker.num_accepted_tokens else "drafts all rejected")
     if sc.enable_prefix_caching:

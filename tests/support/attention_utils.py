@@ -1,6 +1,6 @@
 """One attention step checked against a direct formula, for any backend: every query token's
-output equals the softmax over its request's earlier keys (causal, GQA), read slot by slot
-from the cache as the step left it, in float64."""
+output equals the softmax over its request's earlier keys (causal, GQA; with a sliding window W
+only the last W of them), read slot by slot from the cache as the step left it, in float64."""
 
 from __future__ import annotations
 
@@ -20,22 +20,33 @@ def run_step(
     kv_heads: int = 2,
     head_dim: int = 8,
     block_size: int = 4,
+    sliding_window: int | None = None,
+    poison: float = float("nan"),
 ) -> None:
     """One step over requests with these total lengths and scheduled query tokens; compares the
-    backend's output with the formula for every token."""
+    backend's output with the formula for every token.
+
+    With a sliding window, the blocks wholly before every query's window point at a block
+    filled with `poison`, as a KV manager that freed them leaves them: NaN for a backend that
+    must not read them at all, a large finite value for one that may read them but must mask."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens)
-    num_blocks = 2 * sum(-(-s // block_size) for s in seq_lens) + 1
+    num_blocks = 2 * sum(-(-s // block_size) for s in seq_lens) + 2
     kv_cache = torch.randn(backend.get_kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=gen).to(dtype)
-    free = rng.permutation(np.arange(1, num_blocks))  # block 0 is the null block
+    poisoned = num_blocks - 1
+    kv_cache[:, :, poisoned] = poison
+    free = rng.permutation(np.arange(1, num_blocks - 1))  # block 0 is the null block
     block_table = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
     used = 0
+    computed = np.array([s - q for s, q in zip(seq_lens, query_lens, strict=True)], dtype=np.int32)
     for i, s in enumerate(seq_lens):
         n = -(-s // block_size)
         block_table[i, :n] = free[used : used + n]
         used += n
-    computed = np.array([s - q for s, q in zip(seq_lens, query_lens, strict=True)], dtype=np.int32)
+        if sliding_window is not None:
+            # Blocks before the first query's window: no query of this step reads them.
+            block_table[i, : max(0, int(computed[i]) - sliding_window + 1) // block_size] = poisoned
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     num_tokens = int(query_start_loc[-1])
     positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
@@ -50,7 +61,7 @@ def run_step(
     key = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale)
+    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale, sliding_window)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities and output rounded
     # The formula, slot by slot, on the cache as the step left it (new K/V written in).
@@ -59,7 +70,7 @@ def run_step(
     group = heads // kv_heads
     for t in range(num_tokens):
         r, pos = req_of_token[t], positions[t]
-        ctx = np.arange(pos + 1)
+        ctx = np.arange(0 if sliding_window is None else max(0, pos - sliding_window + 1), pos + 1)
         ctx_slots = torch.from_numpy(block_table[r, ctx // block_size] * block_size + ctx % block_size)
         for h in range(heads):
             k, v = k_all[h // group, ctx_slots], v_all[h // group, ctx_slots]

@@ -13,10 +13,10 @@ then one more token comes, so the output never depends on the drafts.
 
 The fake worker also simulates the KV cache contents: every slot it "computes" holds a key of
 the token's whole prefix (position and all tokens up to it) and of its KV cache group, and
-every scheduled request must read back the right keys for all its tokens. All groups write
-into one memory indexed by block id. So a prefix cache hit on a block with other content (or
-another group's), a block handed out while still in use, or a wrong block table is caught by
-content, not only by bookkeeping.
+every scheduled request must read back the right keys for all its tokens (in a sliding-window
+group: for the tokens its window reaches). All groups write into one memory indexed by block id.
+So a prefix cache hit on a block with other content (or another group's), a block handed out
+while still in use, or a wrong block table is caught by content, not only by bookkeeping.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from minivllm.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -58,24 +60,38 @@ def default_token_fn(req_id: str, output_index: int) -> int:
 
 
 def make_kv_cache_config(
-    num_blocks: int, block_size: int = 16, num_groups: int = 1
+    num_blocks: int, block_size: int = 16, num_groups: int = 1,
+    windows: Sequence[int | None] | None = None,
 ) -> KVCacheConfig:
-    """A KVCacheConfig of `num_groups` KV cache groups of one full attention layer each.
+    """A KVCacheConfig of KV cache groups of one layer each: `num_groups` full attention ones,
+    or one per entry of `windows` (a sliding window, or None for full attention).
 
-    get_kv_cache_config would put layers of one spec into one group; several groups of the same
-    kind are built here by hand, to run the KV manager's multi-group paths before the hybrid
-    KV cache manager (issue 24) makes groups of different kinds.
+    Groups of one kind are built here by hand (get_kv_cache_config would put such layers into
+    one group), to run the KV manager's multi-group paths in every combination of kinds.
     """
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32")
-    layer_names = [f"model.layers.{i}.self_attn" for i in range(num_groups)]
+    windows = [None] * num_groups if windows is None else list(windows)
+    specs: list[KVCacheSpec] = [
+        FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32") if window is None
+        else SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float32",
+                               sliding_window=window)
+        for window in windows
+    ]
+    layer_names = [f"model.layers.{i}.self_attn" for i in range(len(windows))]
     return KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=tuple(
-            KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=(name,))
-            for name in layer_names
-        ),
-        kv_cache_groups=tuple(KVCacheGroupSpec((name,), spec) for name in layer_names),
+        kv_cache_tensors=(KVCacheTensor(size=num_blocks * specs[0].page_size_bytes, shared_by=tuple(layer_names)),),
+        kv_cache_groups=tuple(KVCacheGroupSpec((name,), spec) for name, spec in zip(layer_names, specs, strict=True)),
     )
+
+
+def group_windows(kv: KVCacheManager) -> list[int | None]:
+    """Each KV cache group's sliding window (None: full attention)."""
+    return [getattr(m.kv_cache_spec, "sliding_window", None) for m in kv.coordinator.single_type_managers]
+
+
+def first_in_window(num_computed: int, window: int | None, block_size: int) -> int:
+    """The first block the token at `num_computed` reads (0 without a window)."""
+    return 0 if window is None else max(0, num_computed - window + 1) // block_size
 
 
 def create_kv_cache_manager(
@@ -85,9 +101,10 @@ def create_kv_cache_manager(
     num_groups: int = 1,
     enable_caching: bool = False,
     hash_algo: str = "sha256",
+    windows: Sequence[int | None] | None = None,
 ) -> KVCacheManager:
     return KVCacheManager(
-        make_kv_cache_config(num_blocks, block_size, num_groups),
+        make_kv_cache_config(num_blocks, block_size, num_groups, windows),
         max_model_len,
         enable_caching=enable_caching,
         hash_algo=hash_algo,
@@ -109,13 +126,17 @@ def create_scheduler(
     max_num_partial_prefills: int = 1,
     max_step_ms: float | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    kv_cache_windows: Sequence[int | None] | None = None,
 ) -> Scheduler:
     """A Scheduler over `num_blocks` KV blocks (block 0 included: the null block), shared by
-    `num_kv_cache_groups` KV cache groups.
+    `num_kv_cache_groups` KV cache groups (or one per entry of `kv_cache_windows`, see
+    make_kv_cache_config).
 
     By default the cache holds max_num_seqs requests of max_model_len tokens (no preemption).
     Prefix caching is off by default (unlike CacheConfig): the scenario tests assume no hits.
     """
+    if kv_cache_windows is not None:
+        num_kv_cache_groups = len(kv_cache_windows)
     if num_blocks is None:
         num_blocks = num_kv_cache_groups * max_num_seqs * cdiv(max_model_len, block_size) + 1
     scheduler_config = SchedulerConfig(
@@ -134,7 +155,7 @@ def create_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         prefix_caching_hash_algo=prefix_caching_hash_algo,
     )
-    kv_cache_config = make_kv_cache_config(num_blocks, block_size, num_kv_cache_groups)
+    kv_cache_config = make_kv_cache_config(num_blocks, block_size, num_kv_cache_groups, kv_cache_windows)
     return Scheduler(scheduler_config, cache_config, kv_cache_config, speculative_config=speculative_config)
 
 
@@ -287,9 +308,12 @@ class FakeWorker:
         hashes = request.block_hashes
         assert len(hashes) >= num_hit_blocks
         next_block_cached_elsewhere = []
-        for group_id, blocks in enumerate(held_blocks(kv, req_id)):
+        for group_id, (blocks, window) in enumerate(zip(held_blocks(kv, req_id), group_windows(kv), strict=True)):
             assert len(blocks) >= num_hit_blocks
-            for i in range(num_hit_blocks):
+            first = first_in_window(num_computed, window, bs)
+            # Before the window the hit may leave the null block (nothing to read there).
+            assert all(b is pool.null_block or b.block_hash == (hashes[i], group_id) for i, b in enumerate(blocks[:first]))
+            for i in range(first, num_hit_blocks):
                 # The skipped blocks are cached blocks holding exactly this request's prefix.
                 assert blocks[i].block_hash == (hashes[i], group_id), (req_id, i, blocks[i])
                 assert pool.get_cached_block(hashes[i], group_id) is blocks[i], (req_id, i)
@@ -387,8 +411,13 @@ class FakeWorker:
             assert state.token_ids == request.all_token_ids, req_id
             block_ids = [list(ids) for ids in kv.get_block_ids(req_id)]
             assert len(block_ids) == len(kv.coordinator.single_type_managers)
-            assert state.block_ids == block_ids, (req_id, state.block_ids, block_ids)
-            assert all(0 not in ids for ids in state.block_ids), f"{req_id} holds the null block"
+            for ids, kv_ids, window in zip(state.block_ids, block_ids, group_windows(kv), strict=True):
+                # The worker's table keeps the ids of blocks a window gave back (never read
+                # again): it must agree from the first block the step reads.
+                first = first_in_window(state.num_computed_tokens, window, block_size)
+                assert len(ids) == len(kv_ids) and ids[first:] == kv_ids[first:], (req_id, ids, kv_ids)
+                assert 0 not in ids[first:], f"{req_id} reads the null block"
+                assert all(b in (0, i) for b, i in zip(kv_ids[:first], ids, strict=False)), (req_id, ids, kv_ids)
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
             keys[req_id] = [state.keys_with(g, drafts) for g in range(len(state.block_ids))]
             end = state.num_computed_tokens + scheduled[req_id]
@@ -405,16 +434,19 @@ class FakeWorker:
                 for pos in range(state.num_computed_tokens, end):
                     slots = self.kv.setdefault(ids[pos // block_size], [None] * block_size)
                     slots[pos % block_size] = group_keys[pos]
-        # Pass 2: attention reads the KV of every token of each scheduled request.
+        # Pass 2: attention reads the KV of every token of each scheduled request (a window's
+        # from the first token its first scheduled token reads).
         for req_id in req_ids:
             state = self.states[req_id]
             end = state.num_computed_tokens + scheduled[req_id]
-            for group_id, ids in enumerate(state.block_ids):
+            for group_id, (ids, window) in enumerate(zip(state.block_ids, group_windows(kv), strict=True)):
                 group_keys = keys[req_id][group_id]
-                for i, block_id in enumerate(ids[: cdiv(end, block_size)]):
-                    start = i * block_size
-                    n = min(block_size, end - start)
-                    got = self.kv.get(block_id, [None] * block_size)[:n]
+                first_token = 0 if window is None else max(0, state.num_computed_tokens - window + 1)
+                for i in range(first_token // block_size, cdiv(end, block_size)):
+                    block_id = ids[i]
+                    start = max(i * block_size, first_token)
+                    n = min((i + 1) * block_size, end) - start
+                    got = self.kv.get(block_id, [None] * block_size)[start % block_size :][:n]
                     assert got == group_keys[start : start + n], (
                         f"{req_id}: block {block_id} (group {group_id}, tokens {start}.."
                         f"{start + n - 1}) holds the KV of other tokens"
@@ -480,11 +512,15 @@ def check_block_invariants(kv: KVCacheManager) -> None:
     assert len(free_ids) == pool.get_num_free_blocks() == len(set(free_ids))
     held_count: Counter[int] = Counter()
     held_by_group: list[set[int]] = []  # the ids each group's requests hold
-    for manager in kv.coordinator.single_type_managers:
+    for manager, window in zip(kv.coordinator.single_type_managers, group_windows(kv), strict=True):
         assert set(manager.num_cached_blocks) <= set(manager.req_to_blocks)
         group_held: set[int] = set()
         for blocks in manager.req_to_blocks.values():
-            ids = [b.block_id for b in blocks]
+            # A sliding window's table starts with null blocks where it gave blocks back.
+            ids = [b.block_id for b in blocks if b is not null_block]
+            num_null = len(blocks) - len(ids)
+            assert num_null == 0 or (window is not None and all(b is null_block for b in blocks[:num_null])), (
+                "a null block in a table, other than before a sliding window")
             assert len(set(ids)) == len(ids), "a block twice in one table"
             held_count.update(ids)
             group_held.update(ids)
@@ -542,7 +578,7 @@ def check_request_invariants(scheduler: Scheduler, max_num_spec_tokens: int = 0)
         # Computed tokens may run ahead of the known ones by the drafts handed to the worker.
         assert 0 <= request.num_computed_tokens <= request.num_tokens + max_num_spec_tokens
         assert request.num_tokens <= scheduler.max_model_len
-        for group_id, blocks in enumerate(held_blocks(kv, req_id)):
+        for group_id, (blocks, window) in enumerate(zip(held_blocks(kv, req_id), group_windows(kv), strict=True)):
             # Blocks are allocated exactly for the computed tokens (schedule() advances both),
             # plus the slots of rejected drafts.
             num_computed = request.num_computed_tokens
@@ -551,6 +587,9 @@ def check_request_invariants(scheduler: Scheduler, max_num_spec_tokens: int = 0)
                 <= len(blocks)
                 <= cdiv(num_computed + max_num_spec_tokens, kv.block_size)
             ), (req_id, group_id, len(blocks), num_computed)
+            # Every block the next token's window reads is still held.
+            first = first_in_window(num_computed, window, kv.block_size)
+            assert kv.block_pool.null_block not in blocks[first:], (req_id, group_id, first)
             if kv.enable_caching and request.status == RequestStatus.RUNNING:
                 # Only full blocks are cached, and only under their own hash.
                 for i, block in enumerate(blocks):

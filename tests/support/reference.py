@@ -80,8 +80,12 @@ def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
 
 def _arch_classes(arch: str):
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -89,7 +93,9 @@ def _arch_classes(arch: str):
     )
 
     table = {
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }
@@ -174,12 +180,15 @@ def build_tiny_model(
     config_style: ConfigStyle = "v5",
     **overrides: Any,
 ) -> Path:
-    """Build a random-weight ``{Llama,Qwen2,Qwen3}ForCausalLM`` and save it as an HF directory.
+    """Build a random-weight ``{Llama,Mistral,Qwen2,Qwen3,Gemma3}ForCausalLM`` and save it as an
+    HF directory.
 
     Shape: hidden 64, 2 layers, 4 query heads / 2 KV heads (GQA), head_dim 16, MLP 128,
     vocab = the tokenizer's (49152 for SmolLM2), 1024 positions, rms_norm_eps 1e-6,
     rope_theta 1e4. qwen2 has q/k/v bias (hard-wired by transformers); qwen3 has per-head
-    q/k RMSNorm. ``overrides`` are config kwargs, e.g.
+    q/k RMSNorm; mistral and qwen2/3 have no sliding window unless an override sets one; gemma3
+    alternates a 16-token sliding window layer and a global one, with query_pre_attn_scalar 24
+    and GELU. ``overrides`` are config kwargs, e.g.
     ``rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 256}`` (merged into
     transformers-5 ``rope_parameters``), ``rope_theta=...``, ``num_hidden_layers=...``.
@@ -207,6 +216,14 @@ def build_tiny_model(
     )
     if arch in ("qwen2", "qwen3"):
         kwargs.update(use_sliding_window=False, sliding_window=None)
+    if arch == "mistral":
+        kwargs.update(sliding_window=None)
+    if arch == "gemma3":
+        # Local layers with their own rotary base; one global layer in every two by default.
+        kwargs.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=16,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     config.dtype = torch.float32

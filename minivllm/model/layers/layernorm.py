@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add (the pre-norm transformer's two hot ops)."""
+"""RMSNorm with an optional fused residual add (the pre-norm transformer's two hot ops), and
+Gemma's variant."""
 
 from __future__ import annotations
 
@@ -43,3 +44,24 @@ class RMSNorm(CustomOp):
             return out
         torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), in float32 before
+    the cast back (Llama's casts first, then scales by w), as HF's Gemma3RMSNorm; same residual
+    API as RMSNorm. Torch only."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x.add_(residual)
+            residual = x
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        out = normed.mul_(self.weight.float() + 1.0).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from minivllm.attention.backend import AttentionBackend
-from minivllm.config import get_head_size
-from minivllm.model.layers.activation import SiluAndMul
+from minivllm.config import get_head_size, get_sliding_windows
+from minivllm.model.layers.activation import get_act_and_mul
 from minivllm.model.layers.attention import Attention
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import (
@@ -44,9 +44,13 @@ STACKED_PARAMS = {
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-        input_size: int | None = None,
+        input_size: int | None = None, sliding_window: int | None = None, norm_cls: type[nn.Module] = RMSNorm,
+        scale: float | None = None,
     ) -> None:
-        """input_size: the width q/k/v read, hidden_size when None (EAGLE-3's layer reads 2x)."""
+        """input_size: the width q/k/v read, hidden_size when None (EAGLE-3's layer reads 2x).
+        sliding_window: this layer's (Mistral, Qwen2 past max_window_layers, Gemma's local
+        layers), None for full attention. norm_cls: of the q/k norms. scale: of the scores,
+        head_dim ** -0.5 when None."""
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
@@ -62,9 +66,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias,
                                         input_slice=(q_start, self.qkv_proj.q_size))
         self.rotary_emb = rotary_emb
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend, sliding_window, scale)
 
     def forward(
         self,
@@ -93,12 +97,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"Unsupported activation {act!r}; only 'silu' is supported.")
+        # Gemma names it hidden_activation.
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, {0: inter, 1: inter}, bias=bias)
         local_inter = self.gate_up_proj.shard_offsets[1][1]
-        self.act_fn = SiluAndMul(local_inter)
+        self.act_fn = get_act_and_mul(act, local_inter)
         self.down_proj = RowParallelLinear(
             inter, hidden, bias=bias, input_slice=self.gate_up_proj.shard_slices[1][1:]
         )
@@ -110,12 +113,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: Any, backend: AttentionBackend, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-        input_layernorm: bool = True,
+        input_layernorm: bool = True, sliding_window: int | None = None,
     ) -> None:
         """input_layernorm=False: attention reads the layer's input as is (EAGLE-1's first layer).
         NOTE: such a layer must be a first one (called with residual None)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, rotary_emb, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, backend, rotary_emb, qkv_bias, qk_norm, sliding_window=sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_layernorm else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -152,8 +155,8 @@ class LlamaModel(nn.Module):
             get_head_size(config), config.max_position_embeddings, get_rope_parameters(config)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, self.rotary_emb, qkv_bias, qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, self.rotary_emb, qkv_bias, qk_norm, sliding_window=window)
+            for window in get_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # EAGLE-3 drafts from the residual stream at the input of these layers (set by its proposer).
@@ -192,8 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, backend, qkv_bias, self.qk_norm)
+        self.model = self.make_model(config, backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -203,6 +205,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q8_0: Q8_0Weight | None = None
         # The lm_head's weight packed for oneDNN (a tied one: the embedding keeps the plain one).
         self.lm_head_packed: torch.Tensor | None = None
+
+    def make_model(self, config: Any, backend: AttentionBackend) -> nn.Module:
+        """The decoder stack under the lm_head (what the subclasses of other families change)."""
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        return LlamaModel(config, backend, qkv_bias, self.qk_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

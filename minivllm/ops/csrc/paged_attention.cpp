@@ -5,7 +5,9 @@
 // Cache layout per layer (the CPU backend's get_kv_cache_shape):
 //   [2, num_kv_heads, num_blocks, block_size, head_dim]; index 0 holds keys, 1 values.
 // Each work item is one (request, KV head): the query heads sharing that KV head are scored
-// together, so every cached key and value is read once per step.
+// together, so every cached key and value is read once per step. With a sliding window W, a
+// request reads only its last W keys (positions seq_len - W .. seq_len - 1): the blocks before
+// them may already be back in the pool, holding another request's K/V.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "vec_utils.h"
@@ -27,8 +30,8 @@ namespace {
 using minivllm::kMaxHeadsPerKv;
 using minivllm::Vec;
 
-// The cached rows of one KV head in token order, each pointing at its head_dim values, walked
-// block by block through the block table (no division per token). Blocks lie scattered over
+// The cached rows of one KV head in token order from position `first`, each pointing at its
+// head_dim values, walked block by block through the block table (no division per token). Blocks lie scattered over
 // the cache, where the hardware prefetcher loses the stream at every block boundary, so each
 // row asks for the same row of the next block: a rolling distance of one block. Asking for a
 // whole block at the boundary instead overflows the core's miss buffers (64 requests x 400
@@ -38,13 +41,16 @@ using minivllm::Vec;
 template <typename T, int D>
 class RowWalker {
  public:
-  RowWalker(const T* cache, const int32_t* block_ids, int64_t seq_len, int64_t block_size)
+  RowWalker(const T* cache, const int32_t* block_ids, int64_t first, int64_t seq_len, int64_t block_size)
       : cache_(cache), block_ids_(block_ids), block_size_(block_size),
         num_blocks_((seq_len + block_size - 1) / block_size) {
-    if (num_blocks_ > 0) enter(0);
+    if (first < seq_len) {
+      enter(first / block_size);
+      i_ = first % block_size;
+    }
   }
 
-  // The next row: call it at most seq_len times.
+  // The next row: call it at most seq_len - first times.
   __attribute__((always_inline)) const T* next() {
     if (i_ == block_size_) enter(b_ + 1);
     if (next_block_ != nullptr)
@@ -135,15 +141,16 @@ constexpr int value_slice(int heads, int nv) {
   return slice;
 }
 
-// Attention of `heads` query heads (rows of q, `q_stride` apart) over one KV head's seq_len
-// cached tokens; scores is scratch of heads * seq_len floats. Both passes keep their
+// Attention of `heads` query heads (rows of q, `q_stride` apart) over one KV head's cached
+// tokens first .. seq_len - 1; scores is scratch of heads * (seq_len - first) floats. Both passes keep their
 // accumulators in registers: the key pass scores kKeysPerSum keys for up to kHeadsPerGroup
 // heads at a time, the value pass walks the rows once per slice of head_dim that fits. Only
 // the instances with a known head count can: the generic one (kHeads 0) spills.
 template <typename T, int D, int kHeads>
 void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cache,
-                    const T* value_cache, const int32_t* block_ids, int64_t seq_len,
+                    const T* value_cache, const int32_t* block_ids, int64_t first, int64_t end,
                     int64_t block_size, float scale, T* out, int64_t out_stride, float* scores) {
+  const int64_t seq_len = end - first;  // keys read
   constexpr int NV = D / Vec::size();
   constexpr int G = kHeads > 0 ? kHeads : kMaxHeadsPerKv;
   const int heads = kHeads > 0 ? kHeads : heads_rt;
@@ -152,7 +159,7 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
     minivllm::load_floats(q + g * q_stride, qv[g], D);
     for (int j = 0; j < NV; ++j) qv[g][j] = qv[g][j] * Vec(scale);
   }
-  RowWalker<T, D> keys(key_cache, block_ids, seq_len, block_size);
+  RowWalker<T, D> keys(key_cache, block_ids, first, end, block_size);
   const T* row = nullptr;
   for (int64_t t0 = 0; t0 < seq_len; t0 += kKeysPerSum) {
     const int n = static_cast<int>(std::min<int64_t>(kKeysPerSum, seq_len - t0));
@@ -182,7 +189,7 @@ void attend_kv_head(const T* q, int64_t q_stride, int heads_rt, const T* key_cac
     Vec acc[G][NS];
     for (int g = 0; g < heads; ++g)
       for (int j = 0; j < NS; ++j) acc[g][j] = Vec(0.f);
-    RowWalker<T, D> values(value_cache, block_ids, seq_len, block_size);
+    RowWalker<T, D> values(value_cache, block_ids, first, end, block_size);
     for (int64_t t = 0; t < seq_len; ++t) {
       Vec kv[NS];
       minivllm::load_floats(values.next() + s, kv, kSliceElems);
@@ -199,7 +206,7 @@ template <typename T, int D>
 void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& kv_cache, const at::Tensor& token_indices,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                 double scale) {
+                                 double scale, int64_t sliding_window) {
   const int64_t num_reqs = token_indices.size(0);
   const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(1);
   const int heads_per_kv = static_cast<int>(num_heads / num_kv_heads);
@@ -213,7 +220,8 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t max_len = *std::max_element(lens, lens + num_reqs);
+  const int64_t window = sliding_window > 0 ? sliding_window : std::numeric_limits<int64_t>::max();
+  const int64_t max_len = std::min<int64_t>(*std::max_element(lens, lens + num_reqs), window);
   // Enough tokens per task that a thread's share outweighs waking it.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, max_len));
   auto attend = attend_kv_head<T, D, 0>;
@@ -233,7 +241,7 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
       const int64_t row = tokens[r];
       attend(q + row * query.stride(0) + h * heads_per_kv * D, query.stride(1),
                            heads_per_kv, key_cache + h * head_elems, value_cache + h * head_elems,
-                           tables + r * table_stride, lens[r], block_size,
+                           tables + r * table_stride, std::max<int64_t>(0, lens[r] - window), lens[r], block_size,
                            static_cast<float>(scale), o + row * out.stride(0) + h * heads_per_kv * D,
                            out.stride(1), scores.data());
     }
@@ -243,17 +251,18 @@ void paged_decode_attention_impl(at::Tensor& out, const at::Tensor& query,
 template <typename T>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& token_indices, const at::Tensor& block_tables,
-                       const at::Tensor& seq_lens, double scale) {
+                       const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   switch (query.size(2)) {
-    case 64: return paged_decode_attention_impl<T, 64>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
-    case 128: return paged_decode_attention_impl<T, 128>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
-    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 64 or 128, got ", query.size(2));
+    case 64: return paged_decode_attention_impl<T, 64>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale, sliding_window);
+    case 128: return paged_decode_attention_impl<T, 128>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale, sliding_window);
+    case 256: return paged_decode_attention_impl<T, 256>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale, sliding_window);
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 64, 128 or 256, got ", query.size(2));
   }
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& token_indices, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   if (token_indices.size(0) == 0) return;  // a step of prefills only
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, "out must be shaped like query");
@@ -265,8 +274,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               seq_lens.scalar_type() == at::kInt && block_tables.stride(1) == 1,
               "token_indices int64, block_tables int32 with contiguous rows, seq_lens int32");
   switch (query.scalar_type()) {
-    case at::kFloat: return dispatch_head_dim<float>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
-    case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale);
+    case at::kFloat: return dispatch_head_dim<float>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale, sliding_window);
+    case at::kBFloat16: return dispatch_head_dim<c10::BFloat16>(out, query, kv_cache, token_indices, block_tables, seq_lens, scale, sliding_window);
     default: TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
 }
@@ -306,7 +315,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor token_indices, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);

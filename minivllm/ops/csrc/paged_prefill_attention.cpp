@@ -1,7 +1,9 @@
 // Prefill attention on the CPU: every query token of a prompt, or of a later chunk of one, against
 // its request's keys and values read from the cache blocks (after this step's K/V were written),
 // under the causal mask. A query at position p sees the keys at positions 0..p, so a first chunk,
-// a later chunk and a prompt after a prefix-cache hit are one case. Built and loaded as
+// a later chunk and a prompt after a prefix-cache hit are one case. With a sliding window W it
+// sees keys p - W + 1 .. p only, and a tile reads no key before its first row's window (those
+// blocks may be back in the pool). Built and loaded as
 // torch.ops.minivllm_cpu.* by minivllm/ops/cpu_kernels.py.
 //
 // Cache layout per layer, as the decode kernel's: [2, num_kv_heads, num_blocks, block_size,
@@ -94,15 +96,17 @@ struct Tile {
   int64_t req, kv_head, first_token, num_tokens;
 };
 
-// Row t of one KV head's cache (t < n), or a row of zeros for the padding keys.
+// The key or value at position first + t of one KV head's cache (t < n), or a row of zeros for
+// the padding keys.
 template <typename T, int D>
 struct CacheRows {
   const T* cache;
   const int32_t* block_ids;
-  int64_t block_size, n;
+  int64_t block_size, first, n;
   const T* operator()(int64_t t) const {
     static const T zeros[D] = {};
-    return t < n ? cache + (block_ids[t / block_size] * block_size + t % block_size) * D : zeros;
+    const int64_t pos = first + t;
+    return t < n ? cache + (block_ids[pos / block_size] * block_size + pos % block_size) * D : zeros;
   }
 };
 
@@ -296,10 +300,11 @@ void values_f32(const float* vf, int64_t keys_pad, const Vec* inv, Scratch& s) {
 }
 
 // One tile: rows (tokens x the query heads of one KV head) of one request against its keys
-// [0, num_keys) from the cache, written to out.
+// from the cache (positions keys.first .. keys.first + keys.n - 1), written to out. `window`:
+// the sliding window, or a number beyond every position.
 template <typename T, int D, int NRV>
 void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int heads,
-                 int64_t num_tokens, int64_t first_pos, const CacheRows<T, D>& keys,
+                 int64_t num_tokens, int64_t first_pos, int64_t window, const CacheRows<T, D>& keys,
                  const CacheRows<T, D>& values, float scale, T* out, int64_t out_tok_stride,
                  int64_t out_head_stride, Scratch& s) {
   constexpr int RP = NRV * kLanes;
@@ -320,24 +325,39 @@ void attend_tile(const T* q, int64_t q_tok_stride, int64_t q_head_stride, int he
   }
 
   // Causal mask: row r (position first_pos + r / heads) sees keys up to its own position; the
-  // keys before the tile's first position are visible to every row, padding keys to none.
-  Vec last_visible[NRV];
+  // keys before the tile's first position are visible to every row, padding keys to none. A
+  // window also hides the keys at or before the row's position - window.
+  const int64_t first = keys.first;
+  Vec last_visible[NRV], last_hidden[NRV];
   for (int v = 0; v < NRV; ++v) {
-    float lim[kLanes];
-    for (int l = 0; l < kLanes; ++l)
-      lim[l] = static_cast<float>(first_pos + std::min<int64_t>(v * kLanes + l, rows - 1) / heads);
+    float lim[kLanes], hid[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t pos = first_pos + std::min<int64_t>(v * kLanes + l, rows - 1) / heads;
+      lim[l] = static_cast<float>(pos);
+      hid[l] = static_cast<float>(std::max<int64_t>(pos - window, -1));
+    }
     last_visible[v] = Vec::loadu(lim);
+    last_hidden[v] = Vec::loadu(hid);
   }
   const Vec neg_inf(-std::numeric_limits<float>::infinity());
-  for (int64_t t = first_pos; t < keys_pad; ++t) {
-    const Vec pos(static_cast<float>(t));
+  for (int64_t t = std::max<int64_t>(0, first_pos - first); t < keys_pad; ++t) {
+    const Vec pos(static_cast<float>(first + t));
     for (int v = 0; v < NRV; ++v) {
       float* pt = p + t * RP + v * kLanes;
       Vec::blendv(Vec::loadu(pt), neg_inf, pos > last_visible[v]).store(pt);
     }
   }
+  // The last row's window starts latest: keys before it may be hidden from some rows.
+  const int64_t hidden_end = std::min<int64_t>(keys_pad, first_pos + num_tokens - window - first);
+  for (int64_t t = 0; t < hidden_end; ++t) {
+    const Vec pos(static_cast<float>(first + t));
+    for (int v = 0; v < NRV; ++v) {
+      float* pt = p + t * RP + v * kLanes;
+      Vec::blendv(Vec::loadu(pt), neg_inf, pos <= last_hidden[v]).store(pt);
+    }
+  }
 
-  // Softmax over keys, per lane; key 0 is visible to every row, so each maximum is finite.
+  // Softmax over keys, per lane; each row sees its own position's key, so each maximum is finite.
   Vec mx[NRV], sum[NRV];
   for (int v = 0; v < NRV; ++v) {
     mx[v] = neg_inf;
@@ -390,9 +410,12 @@ template <typename T, int D>
 void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
                                   const at::Tensor& kv_cache, const at::Tensor& token_starts,
                                   const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                                  const at::Tensor& block_tables, double scale) {
+                                  const at::Tensor& block_tables, double scale,
+                                  int64_t sliding_window) {
   const int64_t num_reqs = token_starts.size(0);
   const int64_t num_kv_heads = kv_cache.size(1);
+  // Far beyond any position: no window.
+  const int64_t window = sliding_window > 0 ? sliding_window : std::numeric_limits<int32_t>::max();
   const int heads = static_cast<int>(query.size(1) / num_kv_heads);
   const int64_t block_size = kv_cache.size(3);
   const int64_t head_elems = kv_cache.size(2) * block_size * D;  // one KV head's whole cache
@@ -406,14 +429,19 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   const int64_t tile_tokens = std::max(1, kMaxRows / heads);
   std::vector<Tile> tiles;
   int64_t max_keys = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    max_keys = std::max<int64_t>(max_keys, lens[r]);
+  for (int64_t r = 0; r < num_reqs; ++r)
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t i = 0; i < qlens[r]; i += tile_tokens)
         tiles.push_back({r, h, i, std::min<int64_t>(tile_tokens, qlens[r] - i)});
-  }
-  // Longest first (keys seen by the tile's last row), so the last tiles handed out are short.
-  auto keys_seen = [&](const Tile& t) { return lens[t.req] - qlens[t.req] + t.first_token + t.num_tokens; };
+  // A tile reads the keys from its first row's window start to its last row's position.
+  auto first_key = [&](const Tile& t) {
+    return std::max<int64_t>(0, lens[t.req] - qlens[t.req] + t.first_token - window + 1);
+  };
+  auto keys_seen = [&](const Tile& t) {
+    return lens[t.req] - qlens[t.req] + t.first_token + t.num_tokens - first_key(t);
+  };
+  for (const Tile& t : tiles) max_keys = std::max<int64_t>(max_keys, keys_seen(t));
+  // Longest first, so the last tiles handed out are short.
   std::sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) { return keys_seen(a) > keys_seen(b); });
   const int64_t keys_pad = padded_keys(max_keys);
 
@@ -427,8 +455,9 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
       const int64_t num_keys = keys_seen(tile);
       const int64_t first_pos = lens[tile.req] - qlens[tile.req] + tile.first_token;
       const int32_t* block_ids = tables + tile.req * block_tables.stride(0);
-      const CacheRows<T, D> keys{key_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys};
-      const CacheRows<T, D> values{value_cache + tile.kv_head * head_elems, block_ids, block_size, num_keys};
+      const int64_t first = first_key(tile);
+      const CacheRows<T, D> keys{key_cache + tile.kv_head * head_elems, block_ids, block_size, first, num_keys};
+      const CacheRows<T, D> values{value_cache + tile.kv_head * head_elems, block_ids, block_size, first, num_keys};
       const int64_t token = starts[tile.req] + tile.first_token;
       const T* q = query.data_ptr<T>() + token * query.stride(0) + tile.kv_head * heads * query.stride(1);
       T* o = out.data_ptr<T>() + token * out.stride(0) + tile.kv_head * heads * out.stride(1);
@@ -439,7 +468,7 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
         case 2: attend = attend_tile<T, D, 2>; break;
         case 3: attend = attend_tile<T, D, 3>; break;
       }
-      attend(q, query.stride(0), query.stride(1), heads, tile.num_tokens, first_pos, keys, values,
+      attend(q, query.stride(0), query.stride(1), heads, tile.num_tokens, first_pos, window, keys, values,
              static_cast<float>(scale), o, out.stride(0), out.stride(1), s);
     }
   });
@@ -448,7 +477,7 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& token_starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                             double scale) {
+                             double scale, int64_t sliding_window) {
   const int64_t num_reqs = token_starts.size(0);
   if (num_reqs == 0) return;  // a step of decodes only
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim]");
@@ -482,9 +511,10 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   const auto dispatch = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     switch (query.size(2)) {
-      case 64: return paged_prefill_attention_impl<T, 64>(out, query, kv_cache, token_starts, query_lens, seq_lens, block_tables, scale);
-      case 128: return paged_prefill_attention_impl<T, 128>(out, query, kv_cache, token_starts, query_lens, seq_lens, block_tables, scale);
-      default: TORCH_CHECK(false, "paged_prefill_attention: head_dim must be 64 or 128, got ", query.size(2));
+      case 64: return paged_prefill_attention_impl<T, 64>(out, query, kv_cache, token_starts, query_lens, seq_lens, block_tables, scale, sliding_window);
+      case 128: return paged_prefill_attention_impl<T, 128>(out, query, kv_cache, token_starts, query_lens, seq_lens, block_tables, scale, sliding_window);
+      case 256: return paged_prefill_attention_impl<T, 256>(out, query, kv_cache, token_starts, query_lens, seq_lens, block_tables, scale, sliding_window);
+      default: TORCH_CHECK(false, "paged_prefill_attention: head_dim must be 64, 128 or 256, got ", query.size(2));
     }
   };
   switch (query.scalar_type()) {
@@ -498,6 +528,6 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor token_starts, "
-        "Tensor query_lens, Tensor seq_lens, Tensor block_tables, float scale) -> ()");
+        "Tensor query_lens, Tensor seq_lens, Tensor block_tables, float scale, int sliding_window=0) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }

@@ -80,11 +80,13 @@ class Worker:
         kv_cache_config = kv_cache_configs[self.rank]
         self._runner().initialize_kv_cache(kv_cache_config)
         num_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+        groups = kv_cache_config.kv_cache_groups
+        # NOTE: with several groups a block holds one group's layers, and every group needs
+        # blocks for the same tokens: the tokens the cache holds depend on the windows.
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB, %d group(s)",
-            kv_cache_config.num_blocks, kv_cache_config.block_size,
-            kv_cache_config.num_blocks * kv_cache_config.block_size, num_bytes / GiB,
-            len(kv_cache_config.kv_cache_groups),
+            "KV cache: %d blocks of %d tokens, %.2f GiB, %d group(s): %s",
+            kv_cache_config.num_blocks, kv_cache_config.block_size, num_bytes / GiB, len(groups),
+            ", ".join(f"{len(g.layer_names)} x {type(g.kv_cache_spec).__name__}" for g in groups),
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 from minivllm import LLM, SamplingParams
 
@@ -47,3 +48,20 @@ def model_runner(llm: LLM):
     """The ModelRunner of an engine whose core runs in this process
     (MINIVLLM_ENABLE_MULTIPROCESSING=0)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+
+
+def engine_core(llm: LLM):
+    """The EngineCore of an engine whose core runs in this process
+    (MINIVLLM_ENABLE_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def held_blocks_per_group(llm: LLM) -> list[tuple[int, int]]:
+    """(blocks held by running requests, layers in the group) for each KV cache group of an
+    in-process engine; the null entries a sliding window leaves are not blocks."""
+    managers = engine_core(llm).scheduler.kv_cache_manager.coordinator.single_type_managers
+    layers = Counter(layer.kv_cache_group_id for layer in model_runner(llm).attention_layers.values())
+    return [
+        (sum(b is not m.block_pool.null_block for blocks in m.req_to_blocks.values() for b in blocks), layers[g])
+        for g, m in enumerate(managers)
+    ]

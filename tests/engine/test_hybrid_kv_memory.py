@@ -1,0 +1,59 @@
+"""What the hybrid KV cache saves, counted block by block: a sliding-window layer holds only the
+blocks its window can still read, a full-attention layer all of its request's blocks.
+
+Tiny Gemma 3 (4 layers: local, global, local, global; window 16; blocks of 16): one request of
+300 prompt tokens in chunks of 64, then 40 decoded tokens. With the hybrid manager the two
+local layers form one group that holds at most cdiv(15 + 64, 16) + 1 = 6 blocks while a chunk
+runs and cdiv(15, 16) + 1 = 2 while decoding; the two global layers hold cdiv(tokens, 16).
+Without it (every layer kept as full attention) one group of 4 layers holds cdiv(tokens, 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import held_blocks_per_group
+
+from minivllm import SamplingParams
+from minivllm.utils import cdiv
+
+PROMPT_LEN, MAX_TOKENS, WINDOW, CHUNK = 300, 40, 16, 64
+
+
+def _trace(llm) -> list[tuple[int, list[tuple[int, int]]]]:
+    """(computed tokens, held blocks per group) after every step of one request."""
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": list(range(1000, 1000 + PROMPT_LEN))},
+                       SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    core = llm.llm_engine.engine_core.engine_core
+    trace = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = core.scheduler.running
+        if running:
+            trace.append((running[0].num_computed_tokens, held_blocks_per_group(llm)))
+    return trace
+
+
+@pytest.fixture
+def gemma3_dir(make_tiny_model):
+    return make_tiny_model("gemma3", head_dim=64, num_hidden_layers=4,
+                           layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+def test_window_layers_keep_only_their_window(gemma3_dir, make_llm, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    hybrid = _trace(make_llm(gemma3_dir, dtype="float32", max_num_batched_tokens=CHUNK))
+    monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+    full = _trace(make_llm(gemma3_dir, dtype="float32", max_num_batched_tokens=CHUNK,
+                           disable_hybrid_kv_cache_manager=True))
+    assert [n for n, _ in hybrid] == [n for n, _ in full]
+    for (computed, groups), (_, (full_only,)) in zip(hybrid, full, strict=True):
+        (window_blocks, window_layers), (global_blocks, global_layers) = groups
+        assert (window_layers, global_layers, full_only[1]) == (2, 2, 4)
+        assert global_blocks == full_only[0] == cdiv(computed, 16)
+        bound = cdiv(WINDOW - 1, 16) + 1 if computed > PROMPT_LEN else cdiv(WINDOW - 1 + CHUNK, 16) + 1
+        assert window_blocks <= bound, (computed, window_blocks)
+    # The last step before the request finishes: 338 tokens in 22 blocks per global layer and 2
+    # per local layer, against 22 per layer: 48 layer-blocks instead of 88.
+    computed, ((window_blocks, _), (global_blocks, _)) = hybrid[-1]
+    assert (computed, window_blocks, global_blocks) == (PROMPT_LEN + MAX_TOKENS - 2, 2, 22)

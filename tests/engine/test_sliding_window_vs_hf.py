@@ -12,7 +12,13 @@ blocks are cached and whose earlier blocks are the null block), and the same pro
 from __future__ import annotations
 
 import pytest
-from engine_utils import MAX_NEW_TOKENS, assert_engine_idle, generate_greedy, make_prompts, num_preemptions
+from engine_utils import (
+    MAX_NEW_TOKENS,
+    assert_engine_idle,
+    generate_greedy,
+    make_prompts,
+    num_preemptions,
+)
 from reference import check_logprobs_close, hf_greedy
 
 CASES = {

@@ -65,3 +65,21 @@ def test_sliding_window_models_match_hf(case, make_llm, variant):
                              name_0="hf", name_1="minivllm[cached]")
         assert llm.llm_engine.get_scheduler_stats().prefix_cache_hits > 0
     assert_engine_idle(llm)
+
+
+def test_gemma3_with_ngram_drafts_over_two_ranks(make_tiny_model, make_llm):
+    """Speculative decoding (drafts verified in the window layers too, rejected slots trimmed
+    in every group) under tensor parallelism (each rank's share of the hybrid cache)."""
+    kwargs = dict(CASES["gemma3"])
+    model_dir = make_tiny_model(kwargs.pop("arch"), **kwargs)
+    from transformers import AutoTokenizer
+
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), 49152, seed=2)[4:]
+    reference = [r.as_output() for r in hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_llm(model_dir, dtype="float32", tensor_parallel_size=2, speculative_config=ngram,
+                   max_num_batched_tokens=40)
+    check_logprobs_close(outputs_0=reference, outputs_1=generate_greedy(llm, prompts),
+                         name_0="hf", name_1="minivllm[ngram, tp=2]")
+    assert llm.llm_engine.get_scheduler_stats().spec_decoding.num_drafts > 0
+    assert_engine_idle(llm)

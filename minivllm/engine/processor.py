@@ -7,6 +7,7 @@ so that bad input is a ValueError for its caller and never disturbs the other re
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -22,9 +23,10 @@ PromptType = str | list[int] | dict[str, Any]
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, scheduling_policy: str,
-                 structured_outputs_backend: str = "auto") -> None:
+                 structured_outputs_backend: str = "auto", extra_eos_token_ids: Sequence[int] = ()) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.extra_eos_token_ids = list(extra_eos_token_ids)
         self.scheduling_policy = SchedulingPolicy.parse(scheduling_policy)
         self.structured_outputs_backend = structured_outputs_backend
         self.vocab_size = model_config.hf_config.vocab_size
@@ -40,6 +42,7 @@ class Processor:
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled "
                              "(scheduling_policy='priority').")
         self._validate_params(params)
+        params = self._stop_at_extra_eos(params)
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         if params.bad_words:
@@ -56,6 +59,14 @@ class Processor:
             priority=priority,
         )
         return request, prompt_text
+
+    def _stop_at_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """The model's other EOS ids (Gemma's <end_of_turn>) as stop_token_ids, as vLLM treats a
+        generation_config's EOS list: the engine core knows one EOS id per request."""
+        missing = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if params.ignore_eos or not missing:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *missing])
 
     def _resolve_structured_outputs(self, params: SamplingParams) -> StructuredOutputsParams:
         """The constraint checked (a ValueError for one that cannot compile) and its backend
@@ -124,11 +135,13 @@ def start_front_end(vllm_config: VllmConfig, engine_core: Any) -> tuple[Any, Pro
     it. On any failure the engine core is shut down (no orphan process)."""
     try:
         # Imported only now, while the engine starts: transformers takes ~0.6 s to import.
-        from minivllm.transformers_utils.tokenizer import get_tokenizer
+        from minivllm.transformers_utils.tokenizer import extra_eos_token_ids, get_tokenizer
 
-        tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        tokenizer_path = vllm_config.model_config.tokenizer
+        tokenizer = get_tokenizer(tokenizer_path)
         processor = Processor(vllm_config.model_config, tokenizer, vllm_config.scheduler_config.policy,
-                              vllm_config.structured_outputs_config.backend)
+                              vllm_config.structured_outputs_config.backend,
+                              extra_eos_token_ids(tokenizer_path))
         output_processor = OutputProcessor(tokenizer)
         engine_core.wait_for_ready()
     except BaseException:

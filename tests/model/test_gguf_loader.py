@@ -409,14 +409,14 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_tokenizer(tmp_path):
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "t5.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model("t5")
     writer.add_token_list(["<unk>", "<s>", "</s>"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="tokenizer model 'llama'"):
+    with pytest.raises(ValueError, match="tokenizer model 't5'"):
         load_gguf_tokenizer(str(path))
 
 

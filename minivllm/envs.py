@@ -35,7 +35,8 @@ def engine_ready_timeout_s() -> float:
 
 
 def cache_root() -> str:
-    """MINIVLLM_CACHE_ROOT (default ~/.cache/minivllm): where built CPU kernels are kept."""
+    """MINIVLLM_CACHE_ROOT (default ~/.cache/minivllm): where built CPU kernels and the Gemma 3
+    GGUF assembled from its PyPI chunks are kept."""
     return os.path.expanduser(os.environ.get("MINIVLLM_CACHE_ROOT", "~/.cache/minivllm"))
 
 

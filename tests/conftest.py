@@ -1,5 +1,5 @@
-"""Shared fixtures: the real SmolLM2 model, its tokenizer and HF export, tiny random-weight
-checkpoints, the C++ CPU kernels, and engines that are shut down when their test ends.
+"""Shared fixtures: the real SmolLM2 and Gemma 3 models, SmolLM2's tokenizer and HF export, tiny
+random-weight checkpoints, the C++ CPU kernels, and engines that are shut down when their test ends.
 
 Session fixtures (each built at most once per pytest session, only when requested):
 
@@ -7,9 +7,12 @@ Session fixtures (each built at most once per pytest session, only when requeste
                               machine, then a no-op). Requested by the kernel tests and by every
                               model fixture, so each engine a test starts runs the path users get,
                               while tests that start no engine (tests/core...) build nothing.
-* ``smollm2_gguf``         -- the real SmolLM2-135M-Instruct GGUF. A test that requests it, directly
+* ``smollm2_gguf``         -- the real SmolLM2-135M-Instruct GGUF.
+* ``gemma3_gguf``          -- the real Gemma 3 270M Q4_K_M GGUF (assembled from its PyPI chunk
+                              packages into the minivllm cache root on first use).
+                              A test that requests either real model (REAL_MODEL_FIXTURES), directly
                               or through another fixture, is marked ``slow``: that is the whole rule,
-                              so ``-m "not slow"`` runs every test that does not load the real model.
+                              so ``-m "not slow"`` runs every test that does not load a real model.
 * ``tokenizer_dir``        -- SmolLM2 tokenizer files only (tokenizer.json, tokenizer_config.json,
                               chat_template.jinja), read from the GGUF's metadata (~5 s).
 * ``smollm2_hf_dir``       -- plain HF export of SmolLM2-135M-Instruct (fp32 safetensors, tied
@@ -45,16 +48,16 @@ import torch  # noqa: E402
 
 from minivllm import LLM  # noqa: E402
 
-REAL_MODEL_FIXTURE = "smollm2_gguf"
+REAL_MODEL_FIXTURES = {"smollm2_gguf", "gemma3_gguf"}
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        loads_real_model = REAL_MODEL_FIXTURE in getattr(item, "fixturenames", ())
+        loads_real_model = not REAL_MODEL_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("slow") and not loads_real_model:
-            raise pytest.UsageError(f"{item.nodeid} is marked slow but does not request "
-                                    f"{REAL_MODEL_FIXTURE}: the fixture gives the mark")
+            raise pytest.UsageError(f"{item.nodeid} is marked slow but requests none of "
+                                    f"{sorted(REAL_MODEL_FIXTURES)}: those fixtures give the mark")
         if loads_real_model:
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
@@ -73,6 +76,11 @@ def cpu_kernels() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf(cpu_kernels) -> Path:
     return reference.smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(cpu_kernels) -> Path:
+    return reference.gemma3_gguf_path()
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     if model_config.is_gguf:
         from minivllm.model.gguf_loader import iterate_gguf_weights
 
-        weights = iterate_gguf_weights(model_config.model)
+        weights = iterate_gguf_weights(model_config.model, dtype)
     else:
         weights = iterate_safetensors_weights(model_config.model)
     loaded = model.load_weights(weights)

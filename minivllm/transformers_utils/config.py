@@ -7,20 +7,34 @@ A GGUF model's config is read from its metadata without torch or transformers' c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from minivllm.transformers_utils.gguf_utils import default_model_path, load_gguf_config
+from minivllm.transformers_utils.gguf_utils import (
+    default_model_path,
+    gemma3_model_path,
+    load_gguf_config,
+)
+
+# Models that ship as PyPI packages, by the name `--model` accepts for them.
+PACKAGED_MODELS: dict[str, Callable[[], str]] = {
+    "smollm2-135m-instruct": default_model_path,
+    "gemma-3-270m": gemma3_model_path,
+}
 
 
 def resolve_model_path(model: str | None) -> str:
     """The local path of `model` (the default model when None), or a ValueError saying why not."""
     if model is None:
         return default_model_path()
+    if model in PACKAGED_MODELS and not os.path.exists(model):
+        return PACKAGED_MODELS[model]()
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(
             f"Model path {model!r} does not exist. minivllm loads local models only: give an HF "
-            "model directory (config.json + *.safetensors + tokenizer files) or a .gguf file."
+            "model directory (config.json + *.safetensors + tokenizer files), a .gguf file, or "
+            f"a packaged model's name ({', '.join(PACKAGED_MODELS)})."
         )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"Model directory {model!r} has no config.json.")

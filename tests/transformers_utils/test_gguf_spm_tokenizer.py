@@ -354,3 +354,17 @@ def test_gemma3_builds_fast(gemma3_gguf, gemma3_tokenizer):
     load_gguf_tokenizer(str(gemma3_gguf))
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, f"the Gemma 3 tokenizer took {elapsed:.2f} s"
+
+
+def test_packaged_model_names_resolve_to_their_files(gemma3_gguf, tmp_path, monkeypatch):
+    """`--model gemma-3-270m` is the assembled file; a local path of that name wins; an unknown
+    name says which names exist."""
+    from minivllm.transformers_utils.config import resolve_model_path
+
+    assert resolve_model_path("gemma-3-270m") == str(gemma3_gguf)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()
+    (tmp_path / "gemma-3-270m" / "config.json").write_text("{}")
+    assert resolve_model_path("gemma-3-270m") == "gemma-3-270m"
+    with pytest.raises(ValueError, match="smollm2-135m-instruct, gemma-3-270m"):
+        resolve_model_path("gemma-4")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minivllm.model.layers.activation import SiluAndMul
-from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.layernorm import GemmaRMSNorm, RMSNorm
 from minivllm.model.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -140,3 +140,31 @@ def test_which_layers_take_kernels(monkeypatch):
         assert not RMSNorm(576).use_cpu_kernels  # built for another device
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
     assert not build(SiluAndMul, torch.float32, 1536).use_cpu_kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_transformers(dtype):
+    """Gemma's (1 + w) scale, rounded once: the kernel and the torch path give transformers'
+    Gemma3RMSNorm exactly in bfloat16, alone, after the residual add, and on [tokens, heads,
+    256] views (the q/k norms)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    for shape, hidden in (((19, 640), 640), ((7, 4, 256), 256)):
+        norm = build(GemmaRMSNorm, dtype, hidden, 1e-6)
+        assert norm.use_cpu_kernels
+        norm.weight.copy_(torch.randn(hidden, generator=gen) * 0.3)
+        hf = Gemma3RMSNorm(hidden, eps=1e-6).to(dtype)
+        hf.weight.data.copy_(norm.weight)
+        x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+        expected = hf(x)
+        assert_same(norm.forward_cpu(x.clone()), expected, dtype)
+        assert_same(norm.forward_native(x.clone()), expected, dtype)
+    residual = (torch.randn(19, 640, generator=gen)).to(dtype)
+    x = (torch.randn(19, 640, generator=gen)).to(dtype)
+    norm = build(GemmaRMSNorm, dtype, 640, 1e-6)
+    norm.weight.copy_(torch.randn(640, generator=gen) * 0.3)
+    out, new_residual = norm.forward_cpu(x.clone(), residual.clone())
+    native_out, native_residual = norm.forward_native(x.clone(), residual.clone())
+    assert torch.equal(new_residual, native_residual)
+    assert_same(out, native_out, dtype)

@@ -12,10 +12,14 @@ from minivllm.ops.cpu_kernels import VECTOR_ALIGN
 
 
 class RMSNorm(CustomOp):
+    gemma = False
+    """Gemma's variant (GemmaRMSNorm): scale by 1 + w, in float32 before the cast back."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if self.gemma else torch.ones(hidden_size),
+                                   requires_grad=False)
         self.use_cpu_kernels &= hidden_size % VECTOR_ALIGN == 0
 
     def forward_native(
@@ -26,11 +30,15 @@ class RMSNorm(CustomOp):
             # x is the previous sublayer's fresh output, so the sum can take its place.
             x = x.add_(residual)
             residual = x
-        # NOTE: computed in float32 and cast back before the weight, as HF does, so that bf16
-        # results match the reference rounding. In-place ops on the new tensors: on CPU a
-        # broadcast multiply into a fresh bf16 tensor costs about twice as much.
+        # NOTE: computed in float32 and cast back before the weight, as HF's Llama does, so that
+        # bf16 results match the reference rounding (Gemma: after the weight, as HF's Gemma).
+        # In-place ops on the new tensors: on CPU a broadcast multiply into a fresh bf16 tensor
+        # costs about twice as much.
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)  # x * rsqrt(mean(x^2) + eps)
-        out = normed.to(x.dtype).mul_(self.weight)
+        if self.gemma:
+            out = normed.mul_(self.weight.float() + 1.0).to(x.dtype)
+        else:
+            out = normed.to(x.dtype).mul_(self.weight)
         return out if residual is None else (out, residual)
 
     def forward_cpu(
@@ -40,28 +48,14 @@ class RMSNorm(CustomOp):
         sum, residual: the sum), as vLLM's fused_add_rms_norm."""
         if residual is None:
             out = torch.empty(x.shape, dtype=x.dtype)
-            torch.ops.minivllm_cpu.rms_norm(out, x, self.weight, self.eps)
+            torch.ops.minivllm_cpu.rms_norm(out, x, self.weight, self.eps, self.gemma)
             return out
-        torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
         return x, residual
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), in float32 before
-    the cast back (Llama's casts first, then scales by w), as HF's Gemma3RMSNorm; same residual
-    API as RMSNorm. Torch only."""
+    the cast back, as HF's Gemma3RMSNorm."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x.add_(residual)
-            residual = x
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        out = normed.mul_(self.weight.float() + 1.0).to(x.dtype)
-        return out if residual is None else (out, residual)
+    gemma = True

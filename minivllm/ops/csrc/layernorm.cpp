@@ -2,6 +2,8 @@
 // LlamaRMSNorm: the normalised value is rounded to the model dtype before the weight multiply.
 //   rms_norm:           out = round(round(x * rsqrt(mean(x^2) + eps)) * w)
 //   fused_add_rms_norm: residual = round(x + residual); x = rms_norm(residual)   (in place)
+// With gemma=true, those of Gemma3RMSNorm: the weight is stored as w and scales by 1 + w, in
+// float32 before the one rounding: out = round(x * rsqrt(mean(x^2) + eps) * (1 + w)).
 // One pass reads a row into registers' worth of float32 and writes it once.
 
 #include <ATen/Parallel.h>
@@ -18,7 +20,7 @@ using minivllm::kPair;
 using minivllm::Vec;
 
 // Normalises one row of n values (n a multiple of kPair) from `src` (float32 copy) into out.
-template <typename T>
+template <typename T, bool kGemma>
 inline void normalize_row(const float* src, const T* weight, T* out, int64_t n, float eps) {
   Vec sq(0.f);
   for (int64_t i = 0; i < n; i += Vec::size()) {
@@ -29,9 +31,14 @@ inline void normalize_row(const float* src, const T* weight, T* out, int64_t n, 
   const Vec inv(1.f / std::sqrt(sum / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += kPair) {
     Vec lo = Vec::loadu(src + i) * inv, hi = Vec::loadu(src + i + Vec::size()) * inv;
-    minivllm::round_pair<T>(lo, hi);
     Vec w_lo, w_hi;
     minivllm::load_pair(weight + i, w_lo, w_hi);
+    if constexpr (kGemma) {
+      w_lo = w_lo + Vec(1.f);
+      w_hi = w_hi + Vec(1.f);
+    } else {
+      minivllm::round_pair<T>(lo, hi);
+    }
     minivllm::store_pair(lo * w_lo, hi * w_hi, out + i);
   }
 }
@@ -52,7 +59,7 @@ void check_rows(const at::Tensor& t, const at::Tensor& weight, const char* name)
   TORCH_CHECK(t.size(-1) % kPair == 0, "hidden size must be a multiple of ", kPair);
 }
 
-template <typename T>
+template <typename T, bool kGemma>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, float eps,
                    at::Tensor* residual) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
@@ -76,7 +83,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
         lo.store(buf.data() + i);
         hi.store(buf.data() + i + Vec::size());
       }
-      normalize_row<T>(buf.data(), w, row_ptr<T>(out, r), n, eps);
+      normalize_row<T, kGemma>(buf.data(), w, row_ptr<T>(out, r), n, eps);
     }
   });
 }
@@ -90,25 +97,32 @@ void dispatch(const at::Tensor& x, Fn&& fn) {
   }
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+template <typename T>
+void rms_norm_any(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+                  at::Tensor* residual, bool gemma) {
+  if (gemma) return rms_norm_impl<T, true>(out, x, weight, eps, residual);
+  rms_norm_impl<T, false>(out, x, weight, eps, residual);
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
   check_rows(x, weight, "x");
   check_rows(out, weight, "out");
   TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
-  dispatch(x, [&](auto t) { rms_norm_impl<decltype(t)>(out, x, weight, eps, nullptr); });
+  dispatch(x, [&](auto t) { rms_norm_any<decltype(t)>(out, x, weight, eps, nullptr, gemma); });
 }
 
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps, bool gemma) {
   check_rows(x, weight, "x");
   check_rows(residual, weight, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "residual must be shaped like x");
-  dispatch(x, [&](auto t) { rms_norm_impl<decltype(t)>(x, x, weight, eps, &residual); });
+  dispatch(x, [&](auto t) { rms_norm_any<decltype(t)>(x, x, weight, eps, &residual, gemma); });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool gemma=False) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool gemma=False) -> ()");
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
 }

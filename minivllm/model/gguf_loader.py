@@ -173,11 +173,43 @@ def gguf_lm_head_q8_0(path: str) -> Q8_0Weight | None:
     info = infos.get("output.weight") or infos.get("token_embd.weight")
     if info is None or info.ggml_type != GGMLQuantizationType.Q8_0:
         return None
-    raw = _tensor(file, info).data
+    return _q8_0(_tensor(file, info).data)
+
+
+def _q8_0(raw: np.ndarray) -> Q8_0Weight:
+    """Q8_0 rows as stored: a 34-byte block is a float16 scale, then 32 int8 values."""
     blocks = raw.reshape(raw.shape[0], -1, 34)
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return Q8_0Weight(torch.from_numpy(q), torch.from_numpy(scale))
+
+
+def _q5_0_as_q8_0(tensor: _Tensor) -> Q8_0Weight:
+    """A Q5_0 matrix as Q8_0, exactly: both are a float16 scale per 32 values times an integer
+    (Q5_0's in [-16, 16), Q8_0's in [-128, 128)). The integers are read back from the dequantized
+    values (scale * q is exact in float32). A Q5_0 block is 22 bytes: the scale, then the codes."""
+    rows = tensor.data.shape[0]
+    scale = tensor.data.reshape(rows, -1, 22)[..., 0:2].copy().view(np.float16)[..., 0]
+    values = dequantize(tensor.data, tensor.qtype).reshape(rows, -1, 32)
+    d = scale.astype(np.float32)[..., None]
+    q = np.divide(values, d, out=np.zeros_like(values), where=d != 0)
+    return Q8_0Weight(torch.from_numpy(np.rint(q).astype(np.int8).reshape(rows, -1)), torch.from_numpy(scale))
+
+
+def iterate_gguf_q8_0(path: str) -> Iterator[tuple[str, Q8_0Weight]]:
+    """(HF name, codes) for every linear layer's weight stored as Q8_0, or as Q5_0 (which Q8_0
+    holds exactly), rows in HF order, for q8_0_linear at steps of few rows. The embedding and
+    lm_head are not here (gguf_lm_head_q8_0)."""
+    for name, tensor, reorder, _ in _hf_tensors(path):
+        if not name.startswith("model.layers.") or not name.endswith(".weight"):
+            continue
+        if tensor.qtype == GGMLQuantizationType.Q8_0:
+            codes = _q8_0(tensor.data)
+        elif tensor.qtype == GGMLQuantizationType.Q5_0:
+            codes = _q5_0_as_q8_0(tensor)
+        else:
+            continue
+        yield name, Q8_0Weight(reorder(codes.q), reorder(codes.scale))
 
 
 def iterate_gguf_q4_1(path: str) -> Iterator[tuple[str, Q4_1Weight]]:

@@ -125,4 +125,4 @@ def test_int4_codes_kept_only_for_bfloat16_when_enabled(smollm2_gguf, make_llm, 
     projections = [p for layer in model.model.layers
                    for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                              layer.mlp.down_proj)]
-    assert all((p.int4 is not None) == expected for p in projections)
+    assert all((p.quantized is not None) == expected for p in projections)

@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
 from minivllm.model import gguf_loader  # noqa: E402
-from minivllm.model.gguf_loader import gguf_lm_head_q8_0, iterate_gguf_weights  # noqa: E402
+from minivllm.model.gguf_loader import gguf_lm_head_q8_0, iterate_gguf_q8_0, iterate_gguf_weights  # noqa: E402
 from minivllm.transformers_utils.gguf_utils import gemma3_model_path, load_gguf_config  # noqa: E402
 
 # --- ggml blocks packed by hand -----------------------------------------------------------------
@@ -220,6 +220,17 @@ def test_gemma3_tensors(tmp_path):
     assert weights.keys() == expected.keys()
     for name, values in expected.items():
         assert torch.equal(weights[name], torch.from_numpy(values)), name
+
+
+def test_q5_0_layers_become_exact_q8_0_codes(tmp_path):
+    """The Q5_0 matrix (q_proj) comes as Q8_0 codes whose scale x code is every hand-packed value
+    exactly; the Q4_K and Q6_K ones, which Q8_0 cannot hold exactly, do not come."""
+    path, expected = _tiny_gemma3(tmp_path / "m.gguf")
+    codes = dict(iterate_gguf_q8_0(str(path)))
+    assert list(codes) == ["model.layers.0.self_attn.q_proj.weight"]
+    (weight,) = codes.values()
+    values = weight.q.float().view(2, -1, 32) * weight.scale.float()[..., None]
+    assert torch.equal(values.view(2, -1), torch.from_numpy(expected["model.layers.0.self_attn.q_proj.weight"]))
 
 
 def test_model_dtype(tmp_path):

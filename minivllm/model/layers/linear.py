@@ -10,8 +10,8 @@ Under tensor parallelism (vLLM's scheme, Megatron's) a column-parallel layer hol
 the output rows and a row-parallel one a slice of the input columns, and sums the ranks' partial
 products (all-reduce); attention splits by heads, keeping each query head with its KV head
 (`head_shard`). Each layer takes its slice from the full checkpoint tensor as it loads, so any
-checkpoint loads into any TP size. A layer loaded from GGUF Q4_1 also keeps the int4 codes and uses them for inputs
-of few rows (see quant.py).
+checkpoint loads into any TP size. A layer loaded from GGUF Q4_1 also keeps the int4 codes, one
+loaded from Q8_0 or Q5_0 int8 codes, and uses them for inputs of few rows (see quant.py).
 
 On CPU in bfloat16, F.linear runs oneDNN, which re-blocks the [out, in] weight into its GEMM
 layout on every call. Where the platform says so (platforms/cpu.py: use_packed_linear),
@@ -30,10 +30,12 @@ from torch import nn
 from minivllm.distributed.parallel_state import get_tp_group
 from minivllm.model.layers.quant import (
     INT4_MAX_ROWS,
+    Q8_0_MAX_ROWS,
     GroupQuantized,
     Int4Weight,
     Q4_1Tiles,
     Q4_1Weight,
+    Q8_0Weight,
     pack_q4_1,
 )
 
@@ -108,8 +110,10 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.int4: Q4_1Tiles | Int4Weight | None = None
-        self._q4_1_shards: dict[object, Q4_1Weight] = {}
+        # The matrix as GGUF codes, for steps of at most `quantized_max_rows` rows.
+        self.quantized: Q4_1Tiles | Int4Weight | Q8_0Weight | None = None
+        self.quantized_max_rows = 0
+        self._quantized_shards: dict[object, GroupQuantized] = {}
 
     def rank_share(self, loaded: Checkpoint, shard_id: object, is_bias: bool) -> Checkpoint:
         """The part of a checkpoint tensor (or of one fused shard of it) this rank holds."""
@@ -118,13 +122,20 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, self.rank_share(loaded_weight, shard_id, param.dim() == 1))
 
-    def load_q4_1(self, weight: Q4_1Weight, shard_id: object = None) -> None:
-        """Keep one Q4_1 shard; once every shard of the matrix is in, pack them for a Q4_1 kernel."""
-        self._q4_1_shards[shard_id] = self.rank_share(weight, shard_id, is_bias=False)
+    def load_quantized(self, weight: GroupQuantized, shard_id: object = None) -> None:
+        """Keep one shard's GGUF codes; once every shard of the matrix is in, and all of one
+        kind, pack them for their kernel (a matrix of mixed kinds keeps its dequantized weight
+        only)."""
+        self._quantized_shards[shard_id] = self.rank_share(weight, shard_id, is_bias=False)
         order = [None] if shard_id is None else list(self.shard_offsets)  # shards: merged layers only
-        if all(s in self._q4_1_shards for s in order):
-            self.int4 = pack_q4_1([self._q4_1_shards[s] for s in order])
-            self._q4_1_shards = {}
+        if not all(s in self._quantized_shards for s in order):
+            return
+        shards = [self._quantized_shards[s] for s in order]
+        self._quantized_shards = {}
+        if all(isinstance(s, Q4_1Weight) for s in shards):
+            self.quantized, self.quantized_max_rows = pack_q4_1(shards), INT4_MAX_ROWS
+        elif all(isinstance(s, Q8_0Weight) for s in shards):
+            self.quantized, self.quantized_max_rows = Q8_0Weight.cat(shards), Q8_0_MAX_ROWS
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (see the module docstring); called once, after loading."""
@@ -134,8 +145,8 @@ class Linear(nn.Module):
         return self.apply_weight(x, self.bias)
 
     def apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            out = self.int4.matmul(x)
+        if self.quantized is not None and x.shape[0] <= self.quantized_max_rows:
+            out = self.quantized.matmul(x).to(x.dtype)
             return out if bias is None else out + bias
         return linear(x, self.weight, bias)
 

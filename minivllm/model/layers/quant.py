@@ -134,6 +134,11 @@ class Q8_0Weight(GroupQuantized):
     q: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N, K // 32] float16
 
+    @classmethod
+    def cat(cls, shards: list[Q8_0Weight]) -> Q8_0Weight:
+        """Shards stacked along the output rows (a fused q/k/v or gate/up)."""
+        return cls(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M <= Q8_0_MAX_ROWS, K], float32 or bfloat16 -> x @ W^T [M, N] float32, computed in
         float32 from the exact weights (a bfloat16 copy of W rounds each one)."""

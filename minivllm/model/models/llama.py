@@ -27,7 +27,7 @@ from minivllm.model.layers.linear import (
     linear,
     pack_linear_weight,
 )
-from minivllm.model.layers.quant import Q8_0_MAX_ROWS, Q4_1Weight, Q8_0Weight
+from minivllm.model.layers.quant import Q8_0_MAX_ROWS, GroupQuantized, Q8_0Weight
 from minivllm.model.layers.rotary import RotaryEmbedding, get_rope_parameters
 from minivllm.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -263,8 +263,8 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if param is None:
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}.")
         loader = getattr(param, "weight_loader", None)
-        if isinstance(tensor, Q4_1Weight):  # int4 codes kept beside the dequantized weight
-            model.get_submodule(name.rpartition(".")[0]).load_q4_1(tensor, shard_id)
+        if isinstance(tensor, GroupQuantized):  # GGUF codes kept beside the dequantized weight
+            model.get_submodule(name.rpartition(".")[0]).load_quantized(tensor, shard_id)
         elif loader is not None:
             loader(param, tensor, shard_id)
         else:

@@ -199,7 +199,7 @@ def test_bad_engine_args(tmp_path, make_tiny_model, make_llm):
     unsupported = tmp_path / "gpt2"
     unsupported.mkdir()
     (unsupported / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="not supported. Supported architectures: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="not supported. Supported architectures: Gemma3ForCausalLM, LlamaForCausalLM"):
         make_llm(unsupported)
     model = str(make_tiny_model("llama"))
     with pytest.raises(ValueError, match="larger than the model's maximum context length of 1024"):

@@ -1,0 +1,89 @@
+"""The Triton attention backend (attention/triton_attn.py, triton_kernels.py) under the Triton
+interpreter on the CPU: against the float64 formula (decodes, fresh prompts, later chunks, sliding
+windows with the blocks before them NaN), against the reference backend on one cache, and its
+cache write against the reference write.
+
+TRITON_INTERPRET must be set before the kernels are defined (it decides at `triton.jit` time),
+so this module sets it when it is imported; nothing else in minivllm runs Triton on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from attention_utils import run_step  # noqa: E402
+
+pytest.importorskip("triton")
+
+from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache  # noqa: E402
+from minivllm.attention.triton_attn import TritonAttentionBackend  # noqa: E402
+from minivllm.attention.triton_kernels import BLOCK_M, reshape_and_cache  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_step_matches_formula(dtype):
+    """Decodes of many lengths, fresh prompts shorter and longer than a program's BLOCK_M
+    queries, a later chunk; GQA (3 query heads per KV head); blocks scattered."""
+    seq_lens = [1, 17, 3, 40, 2 * BLOCK_M + 3, 30]
+    query_lens = [1, 1, 3, 1, 2 * BLOCK_M + 3, 6]
+    run_step(TritonAttentionBackend(), seq_lens, query_lens, dtype=dtype)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16])
+def test_sliding_window_matches_formula_without_reading_freed_blocks(window):
+    run_step(TritonAttentionBackend(), [1, 17, 40, 64, 90], [1, 1, 40, 1, 37], sliding_window=window,
+             seed=window)
+
+
+def test_gemma_shape_and_cache_blocks_of_16():
+    """Head size 256 with 4 query heads on one KV head, blocks of 16 (the GPU's minimum)."""
+    run_step(TritonAttentionBackend(), [5, 40, 21], [1, 40, 4], heads=4, kv_heads=1, head_dim=256,
+             block_size=16, dtype=torch.bfloat16, sliding_window=24, seed=5)
+
+
+def test_agrees_with_reference_backend():
+    """Both backends on copies of one cache: the same step, the same outputs and caches."""
+    gen = torch.Generator().manual_seed(0)
+    block_table = np.arange(1, 13, dtype=np.int32).reshape(3, 4)
+    seq_lens = np.array([9, 16, 5], dtype=np.int32)
+    query_lens = np.array([1, 10, 5], dtype=np.int32)
+    from minivllm.attention.backend import CommonAttentionMetadata
+
+    computed = seq_lens - query_lens
+    positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
+    rows = np.repeat(np.arange(3), query_lens)
+    slots = block_table[rows, positions // 4] * 4 + positions % 4
+    common = CommonAttentionMetadata(
+        np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32), seq_lens, computed.astype(np.int32),
+        block_table, torch.from_numpy(slots.astype(np.int64)), 4, torch.device("cpu"))
+    cache = torch.randn(TritonAttentionBackend.get_kv_cache_shape(13, 4, 2, 8), generator=gen)
+    q, k, v = (torch.randn(16, n, 8, generator=gen) for n in (6, 2, 2))
+    results = []
+    for backend in (TorchRefAttentionBackend(), TritonAttentionBackend()):
+        own = cache.clone()
+        results.append((backend.forward(q, k, v, own, backend.build_metadata(common), 0.3), own))
+    (ref_out, ref_cache), (out, tri_cache) = results
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tri_cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_matches_reference_and_skips_padding(dtype):
+    """Strided key/value views land at their slots as the reference's index_copy puts them; a
+    slot of -1 (a padding token) writes nothing."""
+    gen = torch.Generator().manual_seed(1)
+    shape = TritonAttentionBackend.get_kv_cache_shape(6, 4, 2, 8)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    expected = cache.clone()
+    qkv = torch.randn(7, 6 * 8, generator=gen).to(dtype)
+    key, value = qkv[:, 16:32].view(7, 2, 8), qkv[:, 32:].view(7, 2, 8)
+    slots = torch.tensor([3, 7, 0, 12, -1, 23, 9])
+    reshape_and_cache(key, value, cache, slots)
+    keep = slots >= 0
+    write_kv_cache(key[keep], value[keep], expected, slots[keep])
+    assert torch.equal(cache, expected)

@@ -23,6 +23,7 @@ logger = init_logger(__name__)
 _BACKENDS: dict[str, tuple[str, str]] = {
     "TORCH_REF": ("torch_ref", "TorchRefAttentionBackend"),
     "CPU_PAGED": ("cpu_paged", "CpuPagedAttentionBackend"),
+    "TRITON_ATTN": ("triton_attn", "TritonAttentionBackend"),
 }
 
 

@@ -1,6 +1,6 @@
-"""The CUDA platform: torch's kernels and the reference attention backend for now (Triton
-attention and CUDA graphs plug in here), and a KV cache sized from the memory a profiling run
-leaves free under gpu_memory_utilization, as vLLM does."""
+"""The CUDA platform: torch's kernels, Triton paged attention (the torch reference where Triton is
+missing; CUDA graphs plug in here), and a KV cache sized from the memory a profiling run leaves
+free under gpu_memory_utilization, as vLLM does."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class CudaPlatform(Platform):
         return False
 
     def attention_backend_names(self, dtype: torch.dtype, head_size: int) -> list[str]:
-        return ["TORCH_REF"]
+        return ["TRITON_ATTN", "TORCH_REF"]
 
     def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
         if cache_config.kv_cache_memory_bytes is not None:

@@ -10,6 +10,7 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.cpu_paged import CpuPagedAttentionBackend
 from minivllm.attention.selector import backend_class, get_attn_backend
 from minivllm.attention.torch_ref import TorchRefAttentionBackend
+from minivllm.attention.triton_attn import TritonAttentionBackend
 from minivllm.ops import cpu_kernels
 from minivllm.platforms.cpu import CpuPlatform
 from minivllm.platforms.cuda import CudaPlatform
@@ -28,10 +29,23 @@ def test_cpu_falls_back_to_the_reference_for_other_shapes(cpu_kernels, dtype, he
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_cuda_takes_the_reference(dtype):
-    """Until a GPU kernel is registered; the CPU kernels never run on CUDA, even when forced."""
+def test_cuda_takes_triton_then_the_reference(dtype, monkeypatch):
+    """Triton attention where Triton is installed, else the reference; the CPU kernels never run
+    on CUDA, even when forced."""
+    pytest.importorskip("triton")
+    assert type(get_attn_backend(CUDA, dtype, 128)) is TritonAttentionBackend
+    monkeypatch.setattr(TritonAttentionBackend, "unsupported_reason", classmethod(lambda *_: "triton is not installed"))
     assert type(get_attn_backend(CUDA, dtype, 128)) is TorchRefAttentionBackend
     assert CpuPagedAttentionBackend.unsupported_reason("cuda", dtype, 128) == "runs on CPU only, not cuda"
+
+
+def test_triton_runs_on_the_cpu_only_under_its_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert TritonAttentionBackend.unsupported_reason("cpu", torch.float32, 64) == (
+        "runs on CUDA (or under TRITON_INTERPRET=1), not cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttentionBackend.unsupported_reason("cpu", torch.float32, 64) is None
+    assert TritonAttentionBackend.unsupported_reason("cuda", torch.float32, 512) == "head size 512 is over 256"
 
 
 def test_environment_forces_a_backend(cpu_kernels, monkeypatch):
@@ -43,7 +57,7 @@ def test_environment_forces_a_backend(cpu_kernels, monkeypatch):
     with pytest.raises(ValueError, match="CPU_PAGED: runs on CPU only, not cuda"):
         get_attn_backend(CUDA, torch.float32, 64)
     monkeypatch.setenv("MINIVLLM_ATTENTION_BACKEND", "FLASH")
-    with pytest.raises(ValueError, match="Unknown attention backend 'FLASH'; known: TORCH_REF, CPU_PAGED"):
+    with pytest.raises(ValueError, match="Unknown attention backend 'FLASH'; known: TORCH_REF, CPU_PAGED, TRITON_ATTN"):
         get_attn_backend(CPU, torch.float32, 64)
 
 
@@ -65,7 +79,7 @@ def test_sliding_window_skips_backends_without_it(cpu_kernels, monkeypatch):
 
 
 def test_registry_names_match_the_classes():
-    for name in ("TORCH_REF", "CPU_PAGED"):
+    for name in ("TORCH_REF", "CPU_PAGED", "TRITON_ATTN"):
         cls = backend_class(name)
         assert issubclass(cls, AttentionBackend) and cls.name == name
 

@@ -71,9 +71,10 @@ def test_cpu_kv_cache_memory_is_the_configured_space():
 
 
 def test_cuda_platform_decisions():
-    """What the CUDA platform answers needs no device: the reference attention, no CPU kernels."""
+    """What the CUDA platform answers needs no device: Triton attention then the reference, no CPU
+    kernels."""
     cuda = CudaPlatform()
     assert not cuda.use_custom_kernels(torch.bfloat16) and not cuda.use_packed_linear(torch.bfloat16)
-    assert cuda.attention_backend_names(torch.bfloat16, 128) == ["TORCH_REF"]
+    assert cuda.attention_backend_names(torch.bfloat16, 128) == ["TRITON_ATTN", "TORCH_REF"]
     assert cuda.graph_runner_qualname() is None
     assert cuda.kv_cache_memory_bytes(CacheConfig(kv_cache_memory_bytes=77), lambda: None) == 77

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.attention.backend import AttentionBackend, CommonAttentionMetadata, head_major_kv_cache_shape
+from minivllm.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    head_major_kv_cache_shape,
+)
 from minivllm.utils import cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,21 +1,24 @@
-"""The Triton attention backend (attention/triton_attn.py, triton_kernels.py) under the Triton
-interpreter on the CPU: against the float64 formula (decodes, fresh prompts, later chunks, sliding
-windows with the blocks before them NaN), against the reference backend on one cache, and its
-cache write against the reference write.
+"""The Triton attention backend (attention/triton_attn.py, triton_kernels.py): against the
+float64 formula (decodes, fresh prompts, later chunks, sliding windows with the blocks before them
+NaN), against the reference backend on one cache, and its cache write against the reference write.
 
-TRITON_INTERPRET must be set before the kernels are defined (it decides at `triton.jit` time),
-so this module sets it when it is imported; nothing else in minivllm runs Triton on the CPU.
+On a machine with CUDA the kernels run compiled on the GPU; elsewhere under the Triton
+interpreter on the CPU. TRITON_INTERPRET must be set before the kernels are defined (it decides
+at `triton.jit` time), so this module sets it when it is imported, and only without CUDA; nothing
+else in minivllm runs Triton on the CPU.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from attention_utils import run_step  # noqa: E402
 
 pytest.importorskip("triton")
@@ -24,6 +27,8 @@ from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cach
 from minivllm.attention.triton_attn import TritonAttentionBackend  # noqa: E402
 from minivllm.attention.triton_kernels import BLOCK_M, reshape_and_cache  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mixed_step_matches_formula(dtype):
@@ -31,38 +36,38 @@ def test_mixed_step_matches_formula(dtype):
     queries, a later chunk; GQA (3 query heads per KV head); blocks scattered."""
     seq_lens = [1, 17, 3, 40, 2 * BLOCK_M + 3, 30]
     query_lens = [1, 1, 3, 1, 2 * BLOCK_M + 3, 6]
-    run_step(TritonAttentionBackend(), seq_lens, query_lens, dtype=dtype)
+    run_step(TritonAttentionBackend(), seq_lens, query_lens, dtype=dtype, block_size=16, device=DEVICE)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16])
 def test_sliding_window_matches_formula_without_reading_freed_blocks(window):
     run_step(TritonAttentionBackend(), [1, 17, 40, 64, 90], [1, 1, 40, 1, 37], sliding_window=window,
-             seed=window)
+             seed=window, block_size=16, device=DEVICE)
 
 
 def test_gemma_shape_and_cache_blocks_of_16():
-    """Head size 256 with 4 query heads on one KV head, blocks of 16 (the GPU's minimum)."""
+    """Head size 256 with 4 query heads on one KV head, a window."""
     run_step(TritonAttentionBackend(), [5, 40, 21], [1, 40, 4], heads=4, kv_heads=1, head_dim=256,
-             block_size=16, dtype=torch.bfloat16, sliding_window=24, seed=5)
+             block_size=16, dtype=torch.bfloat16, sliding_window=24, seed=5, device=DEVICE)
 
 
 def test_agrees_with_reference_backend():
     """Both backends on copies of one cache: the same step, the same outputs and caches."""
     gen = torch.Generator().manual_seed(0)
     block_table = np.arange(1, 13, dtype=np.int32).reshape(3, 4)
-    seq_lens = np.array([9, 16, 5], dtype=np.int32)
-    query_lens = np.array([1, 10, 5], dtype=np.int32)
+    seq_lens = np.array([9, 40, 5], dtype=np.int32)
+    query_lens = np.array([1, 30, 5], dtype=np.int32)
     from minivllm.attention.backend import CommonAttentionMetadata
 
     computed = seq_lens - query_lens
     positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
     rows = np.repeat(np.arange(3), query_lens)
-    slots = block_table[rows, positions // 4] * 4 + positions % 4
+    slots = block_table[rows, positions // 16] * 16 + positions % 16
     common = CommonAttentionMetadata(
         np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32), seq_lens, computed.astype(np.int32),
-        block_table, torch.from_numpy(slots.astype(np.int64)), 4, torch.device("cpu"))
-    cache = torch.randn(TritonAttentionBackend.get_kv_cache_shape(13, 4, 2, 8), generator=gen)
-    q, k, v = (torch.randn(16, n, 8, generator=gen) for n in (6, 2, 2))
+        block_table, torch.from_numpy(slots.astype(np.int64)).to(DEVICE), 16, torch.device(DEVICE))
+    cache = torch.randn(TritonAttentionBackend.get_kv_cache_shape(13, 16, 2, 8), generator=gen).to(DEVICE)
+    q, k, v = (torch.randn(36, n, 8, generator=gen).to(DEVICE) for n in (6, 2, 2))
     results = []
     for backend in (TorchRefAttentionBackend(), TritonAttentionBackend()):
         own = cache.clone()
@@ -78,11 +83,11 @@ def test_cache_write_matches_reference_and_skips_padding(dtype):
     slot of -1 (a padding token) writes nothing."""
     gen = torch.Generator().manual_seed(1)
     shape = TritonAttentionBackend.get_kv_cache_shape(6, 4, 2, 8)
-    cache = torch.randn(shape, generator=gen).to(dtype)
+    cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     expected = cache.clone()
-    qkv = torch.randn(7, 6 * 8, generator=gen).to(dtype)
+    qkv = torch.randn(7, 6 * 8, generator=gen).to(dtype).to(DEVICE)
     key, value = qkv[:, 16:32].view(7, 2, 8), qkv[:, 32:].view(7, 2, 8)
-    slots = torch.tensor([3, 7, 0, 12, -1, 23, 9])
+    slots = torch.tensor([3, 7, 0, 12, -1, 23, 9], device=DEVICE)
     reshape_and_cache(key, value, cache, slots)
     keep = slots >= 0
     write_kv_cache(key[keep], value[keep], expected, slots[keep])

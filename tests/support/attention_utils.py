@@ -22,13 +22,15 @@ def run_step(
     block_size: int = 4,
     sliding_window: int | None = None,
     poison: float = float("nan"),
+    device: str = "cpu",
 ) -> None:
     """One step over requests with these total lengths and scheduled query tokens; compares the
     backend's output with the formula for every token.
 
     With a sliding window, the blocks wholly before every query's window point at a block
     filled with `poison`, as a KV manager that freed them leaves them: NaN for a backend that
-    must not read them at all, a large finite value for one that may read them but must mask."""
+    must not read them at all, a large finite value for one that may read them but must mask.
+    The step runs on `device`; the formula on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens)
@@ -55,13 +57,16 @@ def run_step(
     common = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=np.array(seq_lens, dtype=np.int32),
         num_computed_tokens=computed, block_table=block_table,
-        slot_mapping=torch.from_numpy(slots.astype(np.int64)), block_size=block_size, device=torch.device("cpu"),
+        slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(device), block_size=block_size,
+        device=torch.device(device),
     )
     query = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
     key = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    out = backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale, sliding_window)
+    on_device = [t.to(device) for t in (query, key, value, kv_cache)]
+    out = backend.forward(*on_device, backend.build_metadata(common), scale, sliding_window).cpu()
+    kv_cache = on_device[3].cpu()
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities and output rounded
     # The formula, slot by slot, on the cache as the step left it (new K/V written in).

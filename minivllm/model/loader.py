@@ -67,14 +67,16 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model!r} lacks weights: {sorted(missing)[:8]}...")
-    if model_config.is_gguf and model_config.gguf_int4_decode and platform.use_gguf_quantized_linear(dtype):
-        from minivllm.model.gguf_loader import iterate_gguf_q4_1, iterate_gguf_q8_0
+    quantized_linears = model_config.is_gguf and model_config.gguf_int4_decode and platform.use_gguf_quantized_linear(dtype)
+    if quantized_linears:
+        from minivllm.model.gguf_loader import iterate_gguf_q4_1
 
         model.load_weights(iterate_gguf_q4_1(model_config.model))
-        model.load_weights(iterate_gguf_q8_0(model_config.model))
-    if model_config.is_gguf and platform.use_custom_kernels(dtype):  # q8_0_linear for the lm_head
-        from minivllm.model.gguf_loader import gguf_lm_head_q8_0
+    if model_config.is_gguf and platform.use_custom_kernels(dtype):  # q8_0_linear: the kernel is ours
+        from minivllm.model.gguf_loader import gguf_lm_head_q8_0, iterate_gguf_q8_0
 
+        if quantized_linears:
+            model.load_weights(iterate_gguf_q8_0(model_config.model))
         q8_0 = gguf_lm_head_q8_0(model_config.model)
         if q8_0 is not None:
             model.set_lm_head_q8_0(q8_0)

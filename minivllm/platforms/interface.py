@@ -38,7 +38,8 @@ class Platform(ABC):
         return False
 
     def use_gguf_quantized_linear(self, dtype: torch.dtype) -> bool:
-        """Whether GGUF Q4_1 layers keep their codes for steps of few rows (model/layers/quant.py)."""
+        """Whether GGUF Q4_1 (and, where minivllm's kernels run, Q8_0 / Q5_0) layers keep their
+        codes for steps of few rows (model/layers/quant.py)."""
         return False
 
     @abstractmethod

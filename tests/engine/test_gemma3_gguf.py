@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import assert_engine_idle, held_blocks_per_group, num_preemptions
+from engine_utils import assert_engine_idle, num_preemptions, trace_held_blocks
 from reference import check_logprobs_close, hf_greedy, load_gemma3_gguf_model
 
 from minivllm import SamplingParams
@@ -82,15 +82,7 @@ def test_chunked_preempted_and_cached_matches_hf(gemma3_gguf, reference_outputs,
 
 def _blocks_after_prefill(llm, prompt: list[int]) -> list[tuple[int, int]]:
     """(blocks held, layers) per group once the prompt is computed and one token decoded."""
-    engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))
-    held = None
-    while engine.has_unfinished_requests():
-        engine.step()
-        running = engine.engine_core.engine_core.scheduler.running
-        if running and running[0].num_computed_tokens > len(prompt):
-            held = held or held_blocks_per_group(llm)
-    return held
+    return next(held for computed, held in trace_held_blocks(llm, prompt, 3) if computed > len(prompt))
 
 
 def test_8k_request_holds_the_global_layers_and_a_window_per_local_layer(gemma3_gguf, reference_outputs,

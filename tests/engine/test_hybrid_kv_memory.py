@@ -11,27 +11,15 @@ Without it (every layer kept as full attention) one group of 4 layers holds cdiv
 from __future__ import annotations
 
 import pytest
-from engine_utils import held_blocks_per_group
+from engine_utils import trace_held_blocks
 
-from minivllm import SamplingParams
 from minivllm.utils import cdiv
 
 PROMPT_LEN, MAX_TOKENS, WINDOW, CHUNK = 300, 40, 16, 64
 
 
 def _trace(llm) -> list[tuple[int, list[tuple[int, int]]]]:
-    """(computed tokens, held blocks per group) after every step of one request."""
-    engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": list(range(1000, 1000 + PROMPT_LEN))},
-                       SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    core = llm.llm_engine.engine_core.engine_core
-    trace = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        running = core.scheduler.running
-        if running:
-            trace.append((running[0].num_computed_tokens, held_blocks_per_group(llm)))
-    return trace
+    return trace_held_blocks(llm, list(range(1000, 1000 + PROMPT_LEN)), MAX_TOKENS)
 
 
 @pytest.fixture

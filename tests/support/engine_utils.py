@@ -65,3 +65,17 @@ def held_blocks_per_group(llm: LLM) -> list[tuple[int, int]]:
         (sum(b is not m.block_pool.null_block for blocks in m.req_to_blocks.values() for b in blocks), layers[g])
         for g, m in enumerate(managers)
     ]
+
+
+def trace_held_blocks(llm: LLM, prompt: list[int], max_tokens: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Run one request alone on an in-process engine: (its computed tokens, held_blocks_per_group)
+    after every step it is still running."""
+    engine = llm.llm_engine
+    engine.add_request("traced", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    trace = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine_core(llm).scheduler.running
+        if running:
+            trace.append((running[0].num_computed_tokens, held_blocks_per_group(llm)))
+    return trace

@@ -23,7 +23,12 @@ from minivllm.config import get_head_size, get_sliding_windows
 from minivllm.model.layers.layernorm import GemmaRMSNorm
 from minivllm.model.layers.rotary import RotaryEmbedding
 from minivllm.model.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from minivllm.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from minivllm.model.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    attention_sublayer,
+)
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -69,14 +74,8 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's normed output, the residual stream before it): the next layer's input norm
         adds them, as in LlamaDecoderLayer. logits_indices: the rows carried past attention."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata, logits_indices)
-        if logits_indices is not None:
-            residual = residual[logits_indices]
+        hidden_states, residual = attention_sublayer(
+            self.input_layernorm, self.self_attn, rope_tables, hidden_states, residual, attn_metadata, logits_indices)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))

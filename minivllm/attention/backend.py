@@ -22,15 +22,34 @@ import torch
 @dataclass
 class CommonAttentionMetadata:
     """Backend-independent description of one step for one KV cache group (row i = i-th request
-    in the batch)."""
+    in the batch). Rows past the batch's requests, if any, are padding (a step padded to a
+    recorded size): no query tokens, sequence length 0.
+
+    Each array is also on the device, for backends whose kernels read it there: the model runner
+    passes views of its persistent buffers (filled in pinned memory, copied without a sync; on
+    CPU the same memory), whose addresses a CUDA graph keeps from one replay to the next."""
 
     query_start_loc: np.ndarray  # [num_reqs + 1] int32, cumulative query lengths
     seq_lens: np.ndarray  # [num_reqs] int32, computed + scheduled tokens
-    num_computed_tokens: np.ndarray  # [num_reqs] int32, tokens already in the KV cache
     block_table: np.ndarray  # [num_reqs, max_num_blocks_per_req] int32, padded with the null block
-    slot_mapping: torch.Tensor  # [num_tokens] int64 on device, where each new K/V goes
+    slot_mapping: torch.Tensor  # [num_tokens] int64 on device, where each new K/V goes (-1: nowhere)
     block_size: int
     device: torch.device
+    query_start_loc_gpu: torch.Tensor
+    seq_lens_gpu: torch.Tensor
+    block_table_gpu: torch.Tensor
+
+    @classmethod
+    def from_arrays(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                    slot_mapping: torch.Tensor, block_size: int, device: torch.device) -> CommonAttentionMetadata:
+        """Metadata whose device arrays are fresh copies (a drafter's or a test's step, not the
+        model runner's persistent buffers)."""
+
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32)).to(device)
+
+        return cls(query_start_loc, seq_lens, block_table, slot_mapping, block_size, device,
+                   on_device(query_start_loc), on_device(seq_lens), on_device(block_table))
 
     @property
     def num_reqs(self) -> int:
@@ -39,6 +58,11 @@ class CommonAttentionMetadata:
     @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
+
+    @property
+    def num_computed_tokens(self) -> np.ndarray:
+        """Tokens already in the KV cache, per request."""
+        return self.seq_lens - self.query_lens
 
 
 class GraphSupport(enum.IntEnum):

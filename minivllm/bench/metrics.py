@@ -27,6 +27,7 @@ class RequestTrace:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each chunk
     text: str = ""  # the output, for checking structured outputs
     error: str = ""
+    done: bool = False  # the stream ended as the protocol says: [DONE] (after output or an error event)
 
     @property
     def tpot(self) -> float | None:

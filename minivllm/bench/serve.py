@@ -87,6 +87,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-output-ratio", type=float, default=1.0,
                         help="Share of the requests constrained, spread evenly over the run (0: none, for a "
                              "baseline of the same requests).")
+    parser.add_argument("--watch-engine-events", action="store_true",
+                        help="Read /v1/engine/events during the run, as an open dashboard does (the engine "
+                             "collects events only while someone watches): to measure what watching costs.")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000.")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -124,8 +127,12 @@ async def send_request(session: Any, url: str, endpoint: str, model: str, sample
                     continue
                 data = line.removeprefix("data:").strip()
                 if data == "[DONE]":
+                    trace.done = True
                     break
                 chunk = json.loads(data)
+                if "error" in chunk:  # the request failed after its stream began
+                    trace.error = f"stream error: {chunk['error'].get('message', '')}"[:200]
+                    continue
                 if chunk.get("usage"):
                     trace.output_tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
@@ -146,8 +153,8 @@ async def send_request(session: Any, url: str, endpoint: str, model: str, sample
                 last = now
         trace.latency = last - trace.start_time
         trace.output_tokens = trace.output_tokens or sum(trace.chunk_tokens)
-        trace.success = bool(trace.chunk_times)
-        if not trace.success:
+        trace.success = bool(trace.chunk_times) and not trace.error
+        if not trace.chunk_times and not trace.error:
             trace.error = "no output"
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         trace.error = f"{type(e).__name__}: {e}"
@@ -218,8 +225,9 @@ def burst_requests(args: argparse.Namespace, vocab_size: int) -> list[SampleRequ
 
 
 async def run(args: argparse.Namespace, url: str, model: str, requests: list[SampleRequest],
-              times: list[float]) -> tuple[list[RequestTrace], float]:
-    """Send each request at its time (seconds from the start); traces in the order of `requests`."""
+              times: list[float], events_seen: dict[str, int]) -> tuple[list[RequestTrace], float]:
+    """Send each request at its time (seconds from the start); traces in the order of `requests`.
+    With --watch-engine-events, what the event stream sent meanwhile goes into events_seen."""
     import aiohttp
     from tqdm.auto import tqdm
 
@@ -235,6 +243,10 @@ async def run(args: argparse.Namespace, url: str, model: str, requests: list[Sam
             bar.update(1)
             return trace
 
+        watcher = None
+        if args.watch_engine_events:
+            watcher = asyncio.create_task(watch_engine_events(session, url, headers, events_seen))
+            await asyncio.sleep(1.0)  # connected, and the engine told
         start = time.perf_counter()
         tasks: dict[int, asyncio.Task[RequestTrace]] = {}
         for i in sorted(range(len(requests)), key=times.__getitem__):
@@ -242,8 +254,23 @@ async def run(args: argparse.Namespace, url: str, model: str, requests: list[Sam
             tasks[i] = asyncio.create_task(one(requests[i]))
         traces = await asyncio.gather(*(tasks[i] for i in range(len(requests))))
         duration = time.perf_counter() - start
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
     bar.close()
     return list(traces), duration
+
+
+async def watch_engine_events(session: Any, url: str, headers: dict[str, str], seen: dict[str, int]) -> None:
+    """Read the engine's event stream until cancelled, counting its messages and bytes."""
+    tail = b""  # a marker may straddle two chunks: the last 5 bytes carried over cannot hold one
+    async with session.get(f"{url}/v1/engine/events", headers=headers) as response:
+        response.raise_for_status()
+        async for chunk in response.content.iter_any():
+            seen["bytes"] += len(chunk)
+            data = tail + chunk
+            seen["messages"] += data.count(b"data: ")
+            tail = data[-5:]
 
 
 async def server_info(url: str, model: str | None, api_key: str | None) -> tuple[str, str | None]:
@@ -261,14 +288,18 @@ async def server_info(url: str, model: str | None, api_key: str | None) -> tuple
 async def scrape_metrics(url: str) -> dict[tuple[str, str], float]:
     """The server's /metrics samples (parse_metrics); empty when the server has none (not every
     OpenAI-compatible server does)."""
+    return parse_metrics(await fetch_metrics_text(url))
+
+
+async def fetch_metrics_text(url: str) -> str:
+    """The server's /metrics page; "" when it has none."""
     import aiohttp
 
     try:
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-            text = await response.text() if response.status == 200 else ""
+            return await response.text() if response.status == 200 else ""
     except aiohttp.ClientError:
-        return {}
-    return parse_metrics(text)
+        return ""
 
 
 def parse_metrics(text: str) -> dict[tuple[str, str], float]:
@@ -349,7 +380,8 @@ def main(args: argparse.Namespace) -> None:
         for r in requests:
             r.prompt = r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
     metrics_before = asyncio.run(scrape_metrics(url))
-    traces, duration = asyncio.run(run(args, url, model, requests, times))
+    events_seen = {"messages": 0, "bytes": 0}
+    traces, duration = asyncio.run(run(args, url, model, requests, times, events_seen))
     metrics_after = asyncio.run(scrape_metrics(url))
     steps = engine_step_report(metrics_before, metrics_after) | spec_decode_report(
         spec_decoding_counters(metrics_before), spec_decoding_counters(metrics_after))
@@ -360,6 +392,8 @@ def main(args: argparse.Namespace) -> None:
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_prompts": len(requests),
         "burst_num_prompts": args.burst_num_prompts,
         "engine_startup_time": startup,
+        "engine_event_messages": events_seen["messages"] if args.watch_engine_events else None,
+        "engine_event_bytes": events_seen["bytes"] if args.watch_engine_events else None,
         "input_lens": [t.prompt_len for t in traces], "output_lens": [t.output_tokens for t in traces],
         "ttfts": [t.ttft for t in traces], "e2els": [t.latency for t in traces],
     }
@@ -392,6 +426,9 @@ def print_report(r: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append(("Request goodput (req/s)", f"{r['request_goodput']:.2f}"))
     if r.get("engine_startup_time") is not None:
         rows.append(("Engine start-up (s)", f"{r['engine_startup_time']:.2f}"))
+    if r.get("engine_event_messages") is not None:
+        rows.append(("Engine event messages (MB) read", f"{r['engine_event_messages']} "
+                                                        f"({r['engine_event_bytes'] / 1e6:.1f})"))
     if "engine_steps" in r:
         rows += [
             ("Engine steps", r["engine_steps"]),

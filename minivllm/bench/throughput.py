@@ -33,6 +33,10 @@ COMPARISONS: dict[str, list[tuple[str, dict[str, Any], dict[str, str]]]] = {
         ("minivllm[in-process]", {}, {"MINIVLLM_ENABLE_MULTIPROCESSING": "0"}),
         ("minivllm[engine process]", {}, {"MINIVLLM_ENABLE_MULTIPROCESSING": "1"}),
     ],
+    "compare_tracing": [  # on: into --trace-dir
+        ("minivllm[tracing off]", {"trace_dir": None}, {}),
+        ("minivllm[tracing on]", {}, {}),
+    ],
 }
 
 
@@ -46,6 +50,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Run the workload with prefix caching off, then on, in the same run.")
     parser.add_argument("--compare-multiprocessing", action="store_true",
                         help="Run the workload with the engine core in-process, then in its own process.")
+    parser.add_argument("--compare-tracing", action="store_true",
+                        help="Run the workload with tracing off, then on (into --trace-dir), in the same run.")
     parser.add_argument("--output-json", type=str, default=None)
     parser.add_argument("--plot", type=str, default=None, help="Write a bar chart (PNG) of the throughputs here.")
     EngineArgs.add_cli_args(parser, skip=("seed",))
@@ -164,6 +170,8 @@ def main(args: argparse.Namespace) -> None:
     model_path = resolve_model_path(args.model)
     tokenizer = None if args.dataset_name == "random" else get_tokenizer(resolve_model_path(args.tokenizer or args.model))
     requests = build_dataset(args, tokenizer, get_config(model_path).vocab_size)
+    if args.compare_tracing and not args.trace_dir:
+        raise ValueError("--compare-tracing writes its trace into --trace-dir: give one.")
     comparison = next((COMPARISONS[name] for name in COMPARISONS if getattr(args, name)), None)
     if comparison is not None:
         results = {label: run_minivllm(args, requests, overrides, env) for label, overrides, env in comparison}

@@ -124,6 +124,9 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.ref_cnt = 1  # NOTE: held forever, so it is never freed or handed out.
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        # Ids of the blocks whose holders or hash changed, while an EventCollector
+        # (core/events.py) watches; None otherwise, and nothing is recorded.
+        self.changed_block_ids: set[int] | None = None
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now, cached-but-unused ones included."""
@@ -144,6 +147,8 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
+        if self.changed_block_ids is not None:
+            self.changed_block_ids.update(block.block_id for block in blocks)
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -159,12 +164,15 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to cached blocks; unused ones leave the free queue (no longer evictable)."""
+        changed = self.changed_block_ids
         for block in blocks:
             if block is self.null_block:  # a sliding window's skipped blocks: nothing to hold
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if changed is not None:
+                changed.add(block.block_id)
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], kv_cache_group_id: int
@@ -181,17 +189,22 @@ class BlockPool:
             if block.block_hash is None and key not in self.cached_block_hash_to_block:
                 block.block_hash = key
                 self.cached_block_hash_to_block[key] = block
+                if self.changed_block_ids is not None:
+                    self.changed_block_ids.add(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue, cached
         ones at the tail in order (keeping their hash and content until evicted), empty ones at
         the head."""
+        changed = self.changed_block_ids
         for block in ordered_blocks:
             if block is self.null_block:
                 continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"Double free of {block}")
             block.ref_cnt -= 1
+            if changed is not None:
+                changed.add(block.block_id)
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self.free_block_queue.appendleft(block)
@@ -207,5 +220,7 @@ class BlockPool:
             block.block_hash = None
             self.free_block_queue.remove(block)
             self.free_block_queue.appendleft(block)
+        if self.changed_block_ids is not None:
+            self.changed_block_ids.update(block.block_id for block in self.cached_block_hash_to_block.values())
         self.cached_block_hash_to_block.clear()
         return True

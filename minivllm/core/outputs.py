@@ -47,6 +47,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # Speculative decoding: the proposer's drafts for the next step, one list per request
     # (empty when none); [] when the engine does not speculate.
     draft_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # req_id -> why sampling failed for that request alone (it gets no tokens; see
+    # ModelRunner._sample_isolating_failures). The step's other requests went on.
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
+    # Tracing only (trace_dir): perf_counter_ns at the step's start, after preparing its inputs,
+    # after the forward and after sampling.
+    phase_ns: list[int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -17,16 +17,20 @@ from typing import Any, ClassVar, get_type_hints
 
 from minivllm import envs
 from minivllm.config import (
+    LOAD_FORMATS,
     SUPPORTED_DTYPES,
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
     StructuredOutputsConfig,
     VllmConfig,
+    default_capture_sizes,
     default_max_step_ms,
 )
 from minivllm.logger import init_logger
@@ -75,7 +79,13 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager
     """Keep every block of sliding-window layers, as full attention does (one KV cache group)."""
     enforce_eager: bool = ModelConfig.enforce_eager
-    """Run every step eagerly: on CPU, no decode steps replayed from a trace (worker/decode_graph.py)."""
+    """Run every step eagerly: no decode steps replayed from a recording (on CPU a trace,
+    worker/decode_graph.py; on CUDA, CUDA graphs, worker/cuda_graph.py)."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """On CUDA: the decode batch sizes recorded as CUDA graphs at start-up (a decode step of n
+    requests replays the smallest size >= n, padded; larger steps and steps with prompt tokens
+    run eagerly); default: 1, 2, 4, 8, 16, 24, ... (every 8 to 256, then every 16) up to
+    max_num_seqs, and max_num_seqs itself."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
@@ -95,6 +105,9 @@ class EngineArgs:
     arrival; the lowest priority is preempted first)."""
     max_logprobs: int = ModelConfig.max_logprobs
     """Most logprobs (and prompt logprobs) a request may ask for."""
+    load_format: str = ModelConfig.load_format
+    """auto: load the checkpoint's weights; dummy: random weights of the model's shapes, no weight
+    files needed (a config.json and a tokenizer suffice): to measure speed (vLLM's dummy format)."""
     gguf_int4_decode: bool = ModelConfig.gguf_int4_decode
     """On CPU in bfloat16: run a GGUF model's Q4_1 layers with the int4 kernel for steps of up to 8
     tokens (about a quarter off each single-stream decode step); larger steps use the dequantized
@@ -115,6 +128,11 @@ class EngineArgs:
     data_parallel_size: int = 1
     """Engine cores behind one front end, each its own process with its own scheduler, KV cache
     and copy of the model, on its share of the cores; requests go to the least loaded."""
+    trace_dir: str | None = ObservabilityConfig.trace_dir
+    """Write a Chrome trace-event JSON file (open it in Perfetto or chrome://tracing) of every
+    engine step (schedule, prepare inputs, forward, sample, output) and every request (waiting,
+    prefill chunks, first token, decode, preempted, finished) into this directory, one file per
+    engine core; `minivllm trace summarize FILE` prints per-phase totals."""
     distributed_executor_backend: str | None = None
     """How the workers run: uni (in the engine process), mp (worker processes; the default for
     tensor_parallel_size > 1), ray (Ray actors: this machine's cluster, or a local one)."""
@@ -128,6 +146,8 @@ class EngineArgs:
             resolve_model_path(self.tokenizer)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"Unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"Unknown load_format {self.load_format!r}; supported: {', '.join(LOAD_FORMATS)}.")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         SchedulingPolicy.parse(self.scheduling_policy)
@@ -135,6 +155,7 @@ class EngineArgs:
         self._speculative_options()
         self._create_cache_config()
         self._create_parallel_config()
+        self._create_compilation_config()
 
     def is_gguf(self) -> bool:
         return resolve_model_path(self.model).endswith(".gguf")
@@ -156,6 +177,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
             gguf_int4_decode=self.gguf_int4_decode,
+            load_format=self.load_format,
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -176,7 +198,20 @@ class EngineArgs:
             model_config, self._create_cache_config(), scheduler_config, DeviceConfig(device),
             self._create_parallel_config(), self._create_structured_outputs_config(),
             self._create_speculative_config(model_config, device),
+            self._create_compilation_config(max_num_batched_tokens),
+            ObservabilityConfig(self.trace_dir),
         )
+
+    def _create_compilation_config(self, max_num_batched_tokens: int | None = None) -> CompilationConfig:
+        # A decode step has at most one token per request, and at most the step's token budget.
+        largest = min(self.max_num_seqs, max_num_batched_tokens or self.max_num_seqs)
+        if self.cudagraph_capture_sizes is None:
+            return CompilationConfig(default_capture_sizes(largest))
+        sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
+        if sizes and sizes[-1] > largest:
+            raise ValueError(f"cudagraph_capture_sizes: {sizes[-1]} is over max_num_seqs and max_num_batched_tokens "
+                             f"({self.max_num_seqs}, {max_num_batched_tokens}); no decode step is that large.")
+        return CompilationConfig(sizes)
 
     def _speculative_options(self) -> dict[str, Any] | None:
         """The speculative_config dict (parsed from JSON when given as a string), its method
@@ -315,6 +350,8 @@ class EngineArgs:
                     parser.add_argument(f"{flag}.{key}", dest=f"{f.name}.{key}", default=None, help=help_text)
             elif hints[f.name] is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            elif list[int] in getattr(hints[f.name], "__args__", ()):  # --cudagraph-capture-sizes 1 2 4
+                parser.add_argument(flag, type=int, nargs="+", default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=_arg_type(hints[f.name]), default=f.default, help=help_text)
         return parser

@@ -22,6 +22,7 @@ from minivllm.config import VllmConfig
 from minivllm.core.outputs import SchedulerStats
 from minivllm.engine.arg_utils import AsyncEngineArgs
 from minivllm.engine.core_client import make_async_client
+from minivllm.engine.event_stream import EngineEventStream, EventSubscription
 from minivllm.engine.exceptions import EngineDeadError
 from minivllm.engine.processor import PromptType, start_front_end
 from minivllm.logger import init_logger
@@ -48,6 +49,7 @@ class AsyncLLM:
         self.stat_logger = LoggingStatLogger()
         self.output_handler: asyncio.Task[None] | None = None
         self.dead_error: EngineDeadError | None = None
+        self.engine_events = EngineEventStream(self._set_event_collection)
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs) -> AsyncLLM:
@@ -116,6 +118,8 @@ class AsyncLLM:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
                 processed = self.output_processor.process_outputs(core_outputs, self.stats)
+                if core_outputs.events is not None:
+                    self.engine_events.publish(core_outputs.events, self.stats.scheduler)
                 self.stat_logger.maybe_log(self.stats)
                 # The outputs are in their queues, but no caller runs before this task awaits
                 # again: the abort of what a stop string finished leaves first, ahead of
@@ -145,8 +149,27 @@ class AsyncLLM:
         self._start_output_handler()
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    async def subscribe_events(self) -> EventSubscription:
+        """Watch the engine core's events (the dashboard's data): each step's EngineEvents and
+        scheduler stats as an SSE message. One engine core only: data parallel engines refuse
+        (ValueError), their cores' block maps and queues are separate."""
+        if self.vllm_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("Engine events (the dashboard) show one engine core; data_parallel_size > 1 "
+                             "is not supported.")
+        self.check_health()
+        self._start_output_handler()
+        return await self.engine_events.subscribe()
+
+    def unsubscribe_events(self, subscription: EventSubscription) -> None:
+        self.engine_events.unsubscribe(subscription)
+
+    async def _set_event_collection(self, on: bool) -> None:
+        if not self.errored:
+            await self.engine_core.call_utility_async("start_event_collection" if on else "stop_event_collection")
+
     def get_metrics(self) -> list[Metric]:
-        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.metrics_model_name)
+        return get_metrics_snapshot(
+            self.stats, self.vllm_config.model_config.metrics_model_name, self.vllm_config.cache_config)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

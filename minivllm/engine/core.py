@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from minivllm.config import VllmConfig
+from minivllm.core.events import EngineEvents, EventCollector
 from minivllm.core.kv_cache_interface import KVCacheConfig
 from minivllm.core.kv_cache_utils import get_kv_cache_configs
 from minivllm.core.outputs import SchedulerStats
@@ -41,6 +42,7 @@ from minivllm.engine.messages import (
     UtilityResult,
 )
 from minivllm.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from minivllm.engine.tracing import StepTracer
 from minivllm.executor.abstract import Executor
 from minivllm.executor.cpu_placement import cpus_of_rank, pin_to_cpus
 from minivllm.logger import init_logger
@@ -49,7 +51,8 @@ from minivllm.structured_output import StructuredOutputManager
 logger = init_logger(__name__)
 
 # Methods a front end may call by name (UtilityCall).
-UTILITY_METHODS = frozenset({"get_scheduler_stats", "reset_prefix_cache", "shutdown"})
+UTILITY_METHODS = frozenset({"get_scheduler_stats", "reset_prefix_cache", "shutdown",
+                             "start_event_collection", "stop_event_collection"})
 
 
 class EngineCore:
@@ -62,6 +65,13 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(self.vllm_config)
         self.scheduler = Scheduler(self.vllm_config.scheduler_config, cache_config, kv_cache_config,
                                    self.structured_output_manager, self.vllm_config.speculative_config)
+        # Events (core/events.py) are collected only while a front end watches (its dashboard)
+        # or the engine traces; otherwise step() neither builds nor times anything for them.
+        self.watching = False
+        trace_dir = vllm_config.observability_config.trace_dir
+        rank = vllm_config.parallel_config.data_parallel_rank
+        self.tracer = StepTracer(trace_dir, f"engine-dp{rank}") if trace_dir else None
+        self.event_collector = EventCollector(self.scheduler) if self.tracer else None
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
@@ -76,19 +86,23 @@ class EngineCore:
         return kv_cache_configs[0]
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                request.eos_token_id,
-                request.arrival_time,
-                request.cache_salt,
-                request.priority,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            request.arrival_time,
+            request.cache_salt,
+            request.priority,
         )
+        self.scheduler.add_request(core_request)
+        if self.event_collector is not None:
+            self.event_collector.on_add(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.event_collector is not None:
+            requests = self.scheduler.requests
+            self.event_collector.on_abort([requests[i] for i in request_ids if i in requests])
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -97,14 +111,49 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule one batch, run it, and return each request's new tokens and the stats."""
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        start = time.perf_counter()
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), events=self._idle_events())
+        collector = self.event_collector  # while watched or traced: the phases timed, the step described
+        start = time.perf_counter_ns()
         scheduler_output = self.scheduler.schedule()
+        if collector is not None:
+            scheduled = time.perf_counter_ns()
+            collector.on_schedule(scheduler_output, start / 1e9)
         model_output = self.model_executor.execute_model(scheduler_output)
+        if collector is not None:
+            executed = time.perf_counter_ns()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         # What every running stream waited for: the scheduler's cost model learns from it.
-        self.scheduler.observe_step_time(time.perf_counter() - start)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        self.scheduler.observe_step_time((time.perf_counter_ns() - start) / 1e9)
+        if collector is None:
+            return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        events = collector.on_step_end(outputs)
+        if self.tracer is not None:
+            self.tracer.record(events, [start, scheduled, executed, time.perf_counter_ns()], model_output.phase_ns)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), events=events if self.watching else None)
+
+    def _idle_events(self) -> EngineEvents | None:
+        """What changed while nothing ran (aborts, a watcher's snapshot)."""
+        if self.event_collector is None:
+            return None
+        events = self.event_collector.idle_events()
+        if self.tracer is not None:
+            self.tracer.record(events, None, None)
+        return events if self.watching else None
+
+    def start_event_collection(self) -> None:
+        """A front end watches (its first dashboard client, or one more): events go out with
+        every step's outputs from now on, the next ones with a full snapshot."""
+        self.watching = True
+        if self.event_collector is None:
+            self.event_collector = EventCollector(self.scheduler)
+        self.event_collector.request_snapshot()
+
+    def stop_event_collection(self) -> None:
+        """Nobody watches any more: no events go out, and none are collected unless tracing."""
+        self.watching = False
+        if self.event_collector is not None and self.tracer is None:
+            self.event_collector.close()
+            self.event_collector = None
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -113,7 +162,10 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the workers; the engine core is unusable after."""
+        """Stop the workers and close the trace; the engine core is unusable after."""
+        if self.tracer is not None:
+            self.tracer.close()
+            self.tracer = None
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
@@ -126,7 +178,8 @@ class EngineCoreProc(EngineCore):
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[EngineCoreOutputs | bytes | None] = queue.Queue()
         self._shutdown_requested = False
-        self._stats_stale = False  # an abort changed the stats since the last output
+        # An abort changed the stats, or a new watcher waits for its snapshot, since the last output.
+        self._stats_stale = False
         self.orphaned = False  # the front end died without shutting us down
         self._ctx = zmq.Context()
         self._input_thread = threading.Thread(
@@ -203,6 +256,10 @@ class EngineCoreProc(EngineCore):
             self._stats_stale = True
         else:
             self.output_queue.put(EngineCoreOutputs(utility_result=self._call_utility(payload)))
+
+    def start_event_collection(self) -> None:
+        super().start_event_collection()
+        self._stats_stale = True  # the snapshot goes out now, even if the engine is idle
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in UTILITY_METHODS:

@@ -55,22 +55,36 @@ class InprocClient:
 
         self.engine_core = EngineCore(vllm_config)
         self.vllm_config = self.engine_core.vllm_config
+        self.dead_error: BaseException | None = None
 
     def wait_for_ready(self) -> None:
         pass
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
         self.engine_core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
+        if request_ids and self.dead_error is None:
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        """One step; an exception in it is engine-fatal, as in the engine process: it is raised
+        to the caller, and every later call raises EngineDeadError."""
+        self._check_alive()
+        try:
+            return self.engine_core.step()
+        except BaseException as e:
+            self.dead_error = e
+            raise
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        self._check_alive()
         return getattr(self.engine_core, method)(*args)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"The engine core failed: {self.dead_error!r}")
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -239,6 +253,8 @@ class MPClient:
         return self.decoder.decode(frame)
 
     def _check_alive(self) -> None:
+        if self.resources.closing:
+            raise EngineDeadError("The engine was shut down.")
         if self.engine_dead:
             raise EngineDeadError()
 

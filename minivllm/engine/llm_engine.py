@@ -87,7 +87,8 @@ class LLMEngine:
         return processed.request_outputs
 
     def get_metrics(self) -> list[Metric]:
-        return get_metrics_snapshot(self.stats, self.vllm_config.model_config.metrics_model_name)
+        return get_metrics_snapshot(
+            self.stats, self.vllm_config.model_config.metrics_model_name, self.vllm_config.cache_config)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False if requests are still using blocks."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from minivllm.core.events import EngineEvents
 from minivllm.core.outputs import EngineCoreOutput, SchedulerStats
 from minivllm.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     utility_result: UtilityResult | None = None
+    # The step's events, while a front end watches (start_event_collection): core/events.py.
+    events: EngineEvents | None = None
 
 
 class EngineReady(msgspec.Struct, gc=False):

@@ -15,7 +15,7 @@ import msgspec
 from minivllm.config import ModelConfig, SchedulingPolicy, VllmConfig
 from minivllm.engine.messages import EngineCoreRequest
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams, is_int64
 
 # What LLM.generate and LLMEngine.add_request accept as one prompt.
 PromptType = str | list[int] | dict[str, Any]
@@ -38,6 +38,8 @@ class Processor:
         """Returns the engine request and the prompt text (None when given as token ids)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"Expected SamplingParams, got {type(params).__name__}.")
+        if not is_int64(priority):
+            raise ValueError(f"priority must be a 64-bit signed integer, got {priority!r}.")
         if priority != 0 and self.scheduling_policy != SchedulingPolicy.PRIORITY:
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled "
                              "(scheduling_policy='priority').")

@@ -1,5 +1,6 @@
 """The `minivllm` command: `minivllm serve [MODEL]`, `minivllm generate --prompt ...`,
-`minivllm bench throughput|latency|serve|broadcast ...`.
+`minivllm bench throughput|latency|serve|soak|broadcast|all-reduce|roofline ...`,
+`minivllm trace summarize FILE`.
 
 Building the parser imports no engine, server or model code: each command imports what it runs.
 Every argument is checked (sampling parameters, then engine settings) before an engine starts.
@@ -56,20 +57,35 @@ def make_parser() -> argparse.ArgumentParser:
     from minivllm.bench import all_reduce as bench_all_reduce
     from minivllm.bench import broadcast as bench_broadcast
     from minivllm.bench import latency as bench_latency
+    from minivllm.bench import roofline as bench_roofline
     from minivllm.bench import serve as bench_serve
+    from minivllm.bench import soak as bench_soak
     from minivllm.bench import throughput as bench_throughput
 
     for name, module, help_text in (
         ("throughput", bench_throughput, "Offline throughput of LLM.generate."),
         ("latency", bench_latency, "Latency of one batch, run repeatedly."),
         ("serve", bench_serve, "Load an OpenAI-compatible server and measure what its users see."),
+        ("soak", bench_soak, "Many streaming clients for a long time: nothing lost or hung, memory flat, no block leaked."),
         ("broadcast", bench_broadcast, "Round-trip latency of the shared-memory message queue."),
         ("all-reduce", bench_all_reduce, "Cost of tensor parallelism's collectives per call and per step."),
+        ("roofline", bench_roofline, "A model's physical limits here: bandwidth and matmul floors, measured."),
     ):
         command = bench.add_parser(name, help=help_text)
         module.add_cli_args(command)
         command.set_defaults(func=module.main)
+
+    trace = sub.add_parser("trace", help="Trace files (--trace-dir).").add_subparsers(dest="trace_command", required=True)
+    summary = trace.add_parser("summarize", help="Per-phase totals of a trace file: count, total ms, mean ms.")
+    summary.add_argument("file", help="A trace JSON file written under --trace-dir.")
+    summary.set_defaults(func=_summarize_trace)
     return parser
+
+
+def _summarize_trace(args: argparse.Namespace) -> None:
+    from minivllm.engine.tracing import print_summary
+
+    print_summary(args.file)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -4,10 +4,14 @@ what the server's /metrics exports (metrics/prometheus.py), so the two always ag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.core.outputs import Histogram as HistogramStats
 from minivllm.core.outputs import SpecDecodingStats
 from minivllm.metrics.stats import EngineStats
+
+if TYPE_CHECKING:
+    from minivllm.config import CacheConfig
 
 
 @dataclass
@@ -37,7 +41,7 @@ class Histogram(Metric):
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
+def get_metrics_snapshot(stats: EngineStats, model_name: str, cache_config: CacheConfig) -> list[Metric]:
     labels = {"model_name": model_name}
     s = stats.scheduler
     hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
@@ -50,6 +54,8 @@ def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         Gauge("vllm:num_requests_waiting", labels, "Requests waiting to be scheduled.", s.num_waiting_reqs),
         Gauge("vllm:kv_cache_usage_perc", labels, "KV cache usage, 1 = full.", s.kv_cache_usage),
         Gauge("vllm:gpu_prefix_cache_hit_rate", labels, "Prefix cache hits / queries, in tokens.", hit_rate),
+        Gauge("vllm:cache_config_info", labels | _cache_config_labels(cache_config),
+              "The KV cache's configuration, as labels (value 1): a tool can tell how many tokens it holds.", 1),
         Gauge("minivllm:engine_startup_seconds", labels, "Engine start-up time to ready.", stats.startup_seconds),
         Counter("vllm:num_preemptions", labels, "Requests preempted.", s.num_preemptions),
         Counter("vllm:prefix_cache_queries", labels, "Prompt tokens looked up in the prefix cache.",
@@ -77,6 +83,15 @@ def get_metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
     if s.spec_decoding is not None:
         metrics += _spec_decoding_metrics(s.spec_decoding, labels)
     return metrics
+
+
+def _cache_config_labels(cache_config: CacheConfig) -> dict[str, str]:
+    """vLLM's label set for the gauge: the configuration's fields as strings."""
+    return {
+        "block_size": str(cache_config.block_size),
+        "num_gpu_blocks": str(cache_config.num_gpu_blocks),
+        "enable_prefix_caching": str(cache_config.enable_prefix_caching),
+    }
 
 
 def _spec_decoding_metrics(spec: SpecDecodingStats, labels: dict[str, str]) -> list[Metric]:

@@ -2,7 +2,8 @@
 
 Parameters are created uninitialised in the target dtype directly on the target device, then
 each checkpoint tensor is streamed in once; a missing or unexpected tensor is an error, never a
-silently random weight.
+silently random weight. Random weights are only ever asked for (load_format "dummy": a model's
+speed measured without its checkpoint).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from minivllm.config import ModelConfig
 from minivllm.logger import init_logger
 from minivllm.model.registry import get_model_class
 from minivllm.platforms import get_platform
+from minivllm.platforms.interface import Platform
 
 logger = init_logger(__name__)
 
@@ -57,6 +59,18 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
         if hasattr(module, "cos_cache"):
             module.cos_cache = module.cos_cache.float()
             module.sin_cache = module.sin_cache.float()
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model)
+    else:
+        load_checkpoint(model, model_config, platform, dtype)
+    if platform.use_packed_linear(dtype):
+        process_weights_after_loading(model)
+    return model.eval()
+
+
+def load_checkpoint(model: nn.Module, model_config: ModelConfig, platform: Platform, dtype: torch.dtype) -> None:
+    """Every weight from the checkpoint (and, for GGUF where the platform runs them, the
+    quantized codes beside the dequantized weights)."""
     if model_config.is_gguf:
         from minivllm.model.gguf_loader import iterate_gguf_weights
 
@@ -80,9 +94,15 @@ def get_model(model_config: ModelConfig, device: torch.device, backend: Attentio
         q8_0 = gguf_lm_head_q8_0(model_config.model)
         if q8_0 is not None:
             model.set_lm_head_q8_0(q8_0)
-    if platform.use_packed_linear(dtype):
-        process_weights_after_loading(model)
-    return model.eval()
+
+
+def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Every parameter uniform in [low, high] (vLLM's dummy weights): the model's shapes and
+    speed without its checkpoint. Small values keep activations finite through any depth."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data.uniform_(low, high, generator=generator)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -37,6 +37,7 @@ from minivllm.sample.sampler import (
     exponential_race,
     gather_logprobs,
 )
+from minivllm.torch_utils import to_device
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -64,11 +65,11 @@ class SpecDecodeMetadata:
         draft_rows = np.flatnonzero(row_pos < num_drafts[row_req])
         flat_drafts = [t for ids in draft_token_ids for t in ids]
 
-        def to_device(a: np.ndarray | list[int]) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=torch.int64).to(device)
+        def on_device(a: np.ndarray | list[int]) -> torch.Tensor:
+            return to_device(a, device, torch.int64)
 
-        return cls(to_device(flat_drafts), num_drafts.tolist(), to_device(draft_rows), to_device(row_req),
-                   to_device(row_pos), int(num_drafts.max(initial=0)), draft_rows)
+        return cls(on_device(flat_drafts), num_drafts.tolist(), on_device(draft_rows), on_device(row_req),
+                   on_device(row_pos), int(num_drafts.max(initial=0)), draft_rows)
 
 
 class RejectionSamplerOutput(NamedTuple):
@@ -148,7 +149,7 @@ class RejectionSampler(nn.Module):
         for generator, rows in rows_of.values():
             index = np.flatnonzero(np.isin(spec.draft_rows_np, rows))
             if len(index):
-                u[torch.from_numpy(index).to(device)] = torch.rand(
+                u[to_device(index, device)] = torch.rand(
                     len(index), dtype=torch.float64, device=device, generator=generator)
         return u
 
@@ -159,7 +160,7 @@ class RejectionSampler(nn.Module):
         num_reqs = len(spec.num_draft_tokens)
         device = token_per_row.device
         draft_req, draft_pos = spec.row_req[spec.draft_rows], spec.row_pos[spec.draft_rows]
-        num_accepted = torch.tensor(spec.num_draft_tokens, dtype=torch.int64, device=device)
+        num_accepted = to_device(spec.num_draft_tokens, device, torch.int64)
         # The first rejected position of each request (its draft count when none is rejected).
         num_accepted.scatter_reduce_(0, draft_req, torch.where(accepted, num_accepted[draft_req], draft_pos), "amin")
         output = torch.full((num_reqs, spec.max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)

@@ -56,7 +56,7 @@ class DraftModelProposer(ModelProposer):
         token_ids[new_rows] = [ids[-1] for ids, d in zip(inputs.sampled_token_ids, drafting.tolist(), strict=True)
                                if d]
         metadata = self.attn_metadata(table, np.arange(len(segment_lens)), req_indices, positions, starts,
-                                      num_computed, num_computed + segment_lens)
+                                      num_computed + segment_lens)
         hidden = self.model(self.tensor(token_ids), self.tensor(positions), (metadata,), self.tensor(new_rows))
         return self.argmax(self.model.compute_logits(hidden)), positions[new_rows], None
 

@@ -74,7 +74,7 @@ class EagleProposer(ModelProposer):
         sampled = inputs.sampled_rows[drafting]
         logits_rows = query_start_loc[sampled] + new_offset[drafting] - 1
         metadata = self.attn_metadata(table, np.arange(num_reqs), req_indices, positions, query_start_loc,
-                                      num_computed, num_computed + num_scheduled)
+                                      num_computed + num_scheduled)
         hidden, feed = self.head(self.tensor(token_ids), self.tensor(positions), inputs.hidden_states, (metadata,))
         rows = self.tensor(logits_rows)
         drafts = self.argmax(self.head.compute_draft_logits(hidden[rows]))

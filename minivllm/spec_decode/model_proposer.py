@@ -91,26 +91,20 @@ class ModelProposer(Proposer):
         return state
 
     def attn_metadata(self, table: BlockTable, rows: np.ndarray, req_indices: np.ndarray, positions: np.ndarray,
-                      query_start_loc: np.ndarray, num_computed: np.ndarray, seq_lens: np.ndarray) -> Any:
+                      query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
         """The drafter backend's metadata for flat tokens of the batch rows `rows` (req_indices
         index into `rows`), written where the target's block table puts their positions."""
         block_table = table.block_table[rows]
         block_size = table.block_size
         slots = block_table[req_indices, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        return self.attn_backend.build_metadata(CommonAttentionMetadata(
-            query_start_loc=query_start_loc.astype(np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            num_computed_tokens=num_computed.astype(np.int32),
-            block_table=block_table,
-            slot_mapping=self.tensor(slots),
-            block_size=block_size,
-            device=self.device,
-        ))
+        return self.attn_backend.build_metadata(CommonAttentionMetadata.from_arrays(
+            query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_table, self.tensor(slots), block_size,
+            self.device))
 
     def single_token_metadata(self, table: BlockTable, rows: np.ndarray, positions: np.ndarray) -> Any:
         """Metadata of one token per request at `positions`."""
         one = np.arange(len(rows))
-        return self.attn_metadata(table, rows, one, positions, np.arange(len(rows) + 1), positions, positions + 1)
+        return self.attn_metadata(table, rows, one, positions, np.arange(len(rows) + 1), positions + 1)
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

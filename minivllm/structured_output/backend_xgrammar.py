@@ -4,6 +4,7 @@ model's vocabulary; each request walks its own GrammarMatcher."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from minivllm.sampling_params import StructuredOutputsParams
@@ -15,6 +16,9 @@ from minivllm.structured_output.backend_types import (
     json_schema,
 )
 
+# xgrammar's C++ errors start with its log prefix, "[04:30:53] /project/cpp/regex_converter.cc:94: ":
+# a path in its build tree, which says nothing to the client.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 # xgrammar's JSON-schema conversion ignores these: a schema that uses them would not be fully
 # enforced, so it is refused here (and, under backend "auto", goes to llguidance).
 _UNSUPPORTED_KEYWORDS = {
@@ -49,7 +53,7 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     except ValueError:
         raise
     except Exception as e:  # xgrammar raises RuntimeError and its own types for bad input
-        raise ValueError(f"Invalid {kind} for structured outputs (xgrammar): {e}") from None
+        raise ValueError(f"Invalid {kind} for structured outputs (xgrammar): {_LOG_PREFIX.sub('', str(e)).strip()}") from None
 
 
 def _keywords(node: Any) -> set[str]:

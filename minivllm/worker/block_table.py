@@ -21,7 +21,8 @@ class BlockTable:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
                  device: torch.device) -> None:
         self.block_size = block_size
-        self.block_table = np.zeros((max_num_reqs, cdiv(max_model_len, block_size)), dtype=np.int32)
+        self.buffer = CpuGpuBuffer((max_num_reqs, cdiv(max_model_len, block_size)), torch.int32, device)
+        self.block_table = self.buffer.np
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
         self.slot_mapping = CpuGpuBuffer(max_num_batched_tokens, torch.int64, device)
 
@@ -38,13 +39,13 @@ class BlockTable:
         self.block_table[dst] = self.block_table[src]
         self.num_blocks_per_row[dst] = self.num_blocks_per_row[src]
 
-    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """The cache slot of each scheduled token (its request's row, its position), on device."""
+    def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The cache slot of each scheduled token (its request's row, its position), written
+        into the slot mapping's host buffer."""
         num_tokens = len(positions)
         block_numbers = self.block_table[req_indices, positions // self.block_size]
-        np.add(block_numbers.astype(np.int64) * self.block_size, positions % self.block_size,
-               out=self.slot_mapping.np[:num_tokens])
-        return self.slot_mapping.copy_to_gpu(num_tokens)
+        return np.add(block_numbers.astype(np.int64) * self.block_size, positions % self.block_size,
+                      out=self.slot_mapping.np[:num_tokens])
 
 
 class MultiGroupBlockTable:

@@ -18,7 +18,7 @@ class CpuGpuBuffer:
         self.gpu = self.cpu if on_host else torch.zeros_like(self.cpu, device=device)
 
     def copy_to_gpu(self, n: int) -> torch.Tensor:
-        """The first n entries on the device (no copy on CPU)."""
+        """The first n entries (rows) on the device (no copy on CPU)."""
         if self.gpu is self.cpu:
             return self.cpu[:n]
         return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)

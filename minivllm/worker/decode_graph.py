@@ -31,10 +31,9 @@ trace fail, steps stay eager.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from torch import nn
 from minivllm.attention.backend import GraphSupport
 from minivllm.logger import init_logger
 from minivllm.model.layers.quant import INT4_MAX_ROWS
-from minivllm.worker.graph_runner import BatchDescriptor
+from minivllm.worker.graph_runner import BatchDescriptor, StepArgs, rebuild_with_tensors, tensors_of
 
 logger = init_logger(__name__)
 
@@ -57,20 +56,24 @@ TRACE_AFTER_STEPS = 200
 class DecodeGraph:
     """Uniform decode steps of up to MAX_TRACED_ROWS requests, replayed from one trace."""
 
-    def __init__(self, model: nn.Module, graph_support: GraphSupport) -> None:
+    def __init__(self, model: nn.Module, graph_support: GraphSupport, capture_sizes: tuple[int, ...] = ()) -> None:
+        """capture_sizes: unused, one trace replays every size."""
         self.model = model
         self.enabled = graph_support >= GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
         self.num_eager_steps = 0  # steps it could have replayed, run eagerly before recording
         self.traced = False  # whether tracing was tried
         self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
 
-    def can_replay(self, batch: BatchDescriptor) -> bool:
+    def capture(self, make_inputs: Callable[[int], StepArgs]) -> None:
+        """Nothing at start-up: the trace is recorded once it has paid for itself."""
+
+    def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
         if not (self.enabled and batch.uniform_decode and batch.num_tokens <= MAX_TRACED_ROWS):
-            return False
+            return None
         if self.traced:
-            return self.graph is not None
+            return batch if self.graph is not None else None
         self.num_eager_steps += 1
-        return self.num_eager_steps > TRACE_AFTER_STEPS
+        return batch if self.num_eager_steps > TRACE_AFTER_STEPS else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         if not self.traced:
@@ -79,7 +82,7 @@ class DecodeGraph:
             if self.graph is None:
                 return self.model(input_ids, positions, attn_metadata)
         assert self.graph is not None
-        return self.graph(input_ids, positions, *_tensors(attn_metadata))
+        return self.graph(input_ids, positions, *tensors_of(attn_metadata))
 
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor,
                attn_metadata: Any) -> torch.jit.ScriptModule | None:
@@ -90,7 +93,7 @@ class DecodeGraph:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the deprecation notice and tracer warnings
                 graph = torch.jit.trace(_ForwardOfTensors(self.model, attn_metadata),
-                                        (input_ids, positions, *_tensors(attn_metadata)), check_trace=False)
+                                        (input_ids, positions, *tensors_of(attn_metadata)), check_trace=False)
         except Exception as e:  # noqa: BLE001 - any failure leaves decoding eager, never the step
             logger.warning("Tracing the decode step failed (%s); decode steps run eagerly.", e)
             return None
@@ -108,27 +111,4 @@ class _ForwardOfTensors(nn.Module):
         self.template = template
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *metadata: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, _rebuild(self.template, iter(metadata)))
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors of (tuples of nested) dataclasses, in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, tuple):
-        return [t for item in obj for t in _tensors(item)]
-    if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    return []
-
-
-def _rebuild(template: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """template with its tensors replaced, in _tensors' order."""
-    if isinstance(template, torch.Tensor):
-        return next(tensors)
-    if isinstance(template, tuple):
-        return tuple(_rebuild(item, tensors) for item in template)
-    if dataclasses.is_dataclass(template):
-        return dataclasses.replace(template, **{f.name: _rebuild(getattr(template, f.name), tensors)
-                                                for f in dataclasses.fields(template)})
-    return template
+        return self.model(input_ids, positions, rebuild_with_tensors(self.template, iter(metadata)))

@@ -10,7 +10,9 @@ sampled ids to the host once.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ from minivllm.attention.selector import get_attn_backend
 from minivllm.config import get_sliding_windows
 from minivllm.core.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from minivllm.core.outputs import LogprobsArrays, ModelRunnerOutput
+from minivllm.logger import init_logger
 from minivllm.model.layers.attention import Attention
 from minivllm.model.loader import get_model
 from minivllm.sample.ops.bitmask import apply_token_bitmask
@@ -32,6 +35,7 @@ from minivllm.sample.rejection_sampler import (
 )
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode import DraftInputs, Proposer, make_proposer
+from minivllm.torch_utils import to_device
 from minivllm.utils import cdiv
 from minivllm.worker.buffers import CpuGpuBuffer
 from minivllm.worker.graph_runner import BatchDescriptor, GraphRunner
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from minivllm.core.sched.output import SchedulerOutput
     from minivllm.platforms.interface import Platform
 
+logger = init_logger(__name__)
 
 @dataclass
 class StepInputs:
@@ -59,6 +64,7 @@ class StepInputs:
     draft_token_ids: list[list[int]]  # per sampled row
     logits_indices: torch.Tensor  # [num_sampled + num_drafts] int64
     batch_descriptor: BatchDescriptor
+    replay: bool  # whether the graph runner runs it, padded to a recorded size
 
 
 class ModelRunner:
@@ -81,6 +87,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler) if spec_config else None
         self.proposer: Proposer | None = make_proposer(vllm_config, device, platform) if spec_config else None
         self.model: Any = None
+        # Tracing (trace_dir): each output carries its phases' times (perf_counter_ns).
+        self.record_phases = vllm_config.observability_config.trace_dir is not None
         # The model's attention layers by name, and what replays recorded forwards (set with
         # the KV cache, whose tensors a recording holds).
         self.attention_layers: dict[str, Attention] = {}
@@ -95,6 +103,7 @@ class ModelRunner:
         self.input_ids = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
         self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = CpuGpuBuffer(self.max_num_reqs, torch.int32, device)
         self.logits_indices = CpuGpuBuffer(self.max_num_reqs * (1 + self.num_spec_tokens), torch.int64, device)
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -129,14 +138,23 @@ class ModelRunner:
         self._block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
         self.input_batch = self._make_input_batch(self._block_sizes)
         self.requests = {}
+        self.graph_runner = self._make_graph_runner()
+        if self.graph_runner is not None:
+            self.graph_runner.capture(self._padded_inputs)
+
+    def _make_graph_runner(self) -> GraphRunner | None:
         qualname = self.platform.graph_runner_qualname()
         # NOTE: a proposer that reads every token's hidden states gets them from eager forwards.
         if qualname is None or self.model_config.enforce_eager or (self.proposer and self.proposer.needs_hidden_states):
-            self.graph_runner = None
-        else:
-            module_name, class_name = qualname.rsplit(".", 1)
-            graph_runner_cls = getattr(importlib.import_module(module_name), class_name)
-            self.graph_runner = graph_runner_cls(self.model, self.attn_backend.graph_support)
+            return None
+        if self.device.type == "cuda" and self.vllm_config.parallel_config.world_size > 1:
+            logger.warning("CUDA graphs are not captured with tensor parallelism (collectives inside a graph "
+                           "are not verified here): every step runs eagerly.")
+            return None
+        module_name, class_name = qualname.rsplit(".", 1)
+        graph_runner_cls = getattr(importlib.import_module(module_name), class_name)
+        return graph_runner_cls(self.model, self.attn_backend.graph_support,
+                                self.vllm_config.compilation_config.cudagraph_capture_sizes)
 
     def _make_input_batch(self, block_sizes: list[int]) -> InputBatch:
         return InputBatch(
@@ -161,12 +179,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start_ns = time.perf_counter_ns() if self.record_phases else 0
         self._update_states(scheduler_output)
         batch = self.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         step = self._prepare_inputs(scheduler_output)
+        prepared_ns = time.perf_counter_ns() if self.record_phases else 0
         # Only the sampled tokens go through the last layer's o_proj and MLP, unless every token
         # is sampled (decodes) or prompt logprobs need every token's final state.
         prompt_logprobs_rows = np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0)
@@ -174,6 +194,9 @@ class ModelRunner:
         pruned = (len(step.sampled_rows) < step.batch_descriptor.num_tokens and not len(prompt_logprobs_rows)
                   and not needs_hidden_states)
         hidden_states = self._run_model(step, pruned)
+        # NOTE: on CUDA the forward only launches its kernels here; the sample phase's copy of
+        # the sampled ids to the host waits for them, so the forward's time shows there.
+        forwarded_ns = time.perf_counter_ns() if self.record_phases else 0
         draft_hidden_states = hidden_states
         if isinstance(hidden_states, tuple):  # EAGLE-3's aux states too
             hidden_states, draft_hidden_states = hidden_states
@@ -182,14 +205,16 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         new_token_ids: list[list[int]] = []
         logprobs = None
+        failed: dict[str, str] = {}
         if len(step.sampled_rows):
             logits = self.model.compute_logits(hidden_states if pruned else hidden_states[step.logits_indices])
             if scheduler_output.structured_output_request_ids:
                 self._apply_grammar_bitmask(logits, scheduler_output, step)
-            new_token_ids, logprobs = self._sample(logits, step)
+            step, new_token_ids, logprobs, failed = self._sample_isolating_failures(logits, step)
             batch.append_sampled_token_ids(step.sampled_rows, new_token_ids)
             for row, token_ids in zip(step.sampled_rows.tolist(), new_token_ids, strict=True):
                 sampled_token_ids[row] = token_ids
+        phase_ns = [start_ns, prepared_ns, forwarded_ns, time.perf_counter_ns()] if self.record_phases else None
         draft_token_ids: list[list[int]] = []
         if self.proposer is not None:
             # NOTE: also in steps where nobody samples: a drafter's KV must cover every token.
@@ -206,7 +231,54 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
+            failed=failed,
+            phase_ns=phase_ns,
         )
+
+    def _sample_isolating_failures(
+        self, logits: torch.Tensor, step: StepInputs
+    ) -> tuple[StepInputs, list[list[int]], LogprobsArrays | None, dict[str, str]]:
+        """_sample, except that a request whose sampling raises fails alone: the step (narrowed
+        to the rows that sampled), their tokens and logprobs, and req_id -> error of the others.
+
+        Sampling is the step's per-request part (each row's own parameters, penalties,
+        processors), so an exception there is tried row by row; a row that raises on its own is
+        the request's fault, and the others are sampled again without it. The tries draw from
+        the seeded requests' generators, so those are rewound first: a seeded request samples
+        the same tokens whether or not another one failed beside it. An exception no single row
+        raises, or one every row of several raises, is not request-scoped: it propagates
+        (engine-fatal, like any in the forward) rather than failing every request for ever."""
+        try:
+            return (step, *self._sample(logits, step), {})
+        except Exception:
+            generators = list(self.input_batch.sampling.generators.values())
+            states = [g.get_state() for g in generators]
+            num_logits = [1 + len(ids) for ids in step.draft_token_ids]
+            first = np.cumsum([0, *num_logits])
+            failed: dict[int, str] = {}
+            for i in range(len(step.sampled_rows)):
+                try:
+                    self._sample(logits[first[i] : first[i + 1]], self._narrowed(step, [i]))
+                except Exception as e:  # noqa: BLE001 - the request's own error, reported to it
+                    failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+            for generator, state in zip(generators, states, strict=True):
+                generator.set_state(state)
+            if not failed or len(failed) == len(step.sampled_rows) > 1:
+                raise
+        keep = [i for i in range(len(step.sampled_rows)) if i not in failed]
+        req_ids = self.input_batch.req_ids
+        errors = {req_ids[step.sampled_rows[i]]: message for i, message in failed.items()}
+        narrowed = self._narrowed(step, keep)
+        if not keep:
+            return narrowed, [], None, errors
+        rows = np.concatenate([np.arange(first[i], first[i + 1]) for i in keep])
+        return (narrowed, *self._sample(logits[to_device(rows, logits.device)], narrowed), errors)
+
+    @staticmethod
+    def _narrowed(step: StepInputs, keep: list[int]) -> StepInputs:
+        """The step with only the sampled rows at positions `keep`."""
+        return dataclasses.replace(step, sampled_rows=step.sampled_rows[keep],
+                                   draft_token_ids=[step.draft_token_ids[i] for i in keep])
 
     def _sample(self, logits: torch.Tensor, step: StepInputs) -> tuple[list[list[int]], LogprobsArrays | None]:
         """Each sampled row's new tokens (one, or with drafts: the accepted ones and one more)
@@ -246,13 +318,14 @@ class ModelRunner:
             logits_rows.append(first_logits_row[i] + np.arange(num_logits[i]))
             bitmask_rows.append(first_bitmask_row + np.arange(num_logits[i]))
         bitmask = scheduler_output.grammar_bitmask[np.concatenate(bitmask_rows)]
-        apply_token_bitmask(logits, torch.from_numpy(bitmask).to(logits.device),
-                            torch.from_numpy(np.concatenate(logits_rows)).to(logits.device))
+        apply_token_bitmask(logits, to_device(bitmask, logits.device), to_device(np.concatenate(logits_rows), logits.device))
 
     def _run_model(self, step: StepInputs, pruned: bool) -> torch.Tensor:
-        """The forward: replayed when the graph runner can, else eager (pruning the last layer to
-        the sampled tokens when `pruned`)."""
-        if not pruned and self.graph_runner is not None and self.graph_runner.can_replay(step.batch_descriptor):
+        """The forward: replayed when the graph runner took the step (its rows past the batch's
+        tokens are padding), else eager (pruning the last layer to the sampled tokens when
+        `pruned`)."""
+        if step.replay:
+            assert self.graph_runner is not None
             return self.graph_runner(step.input_ids, step.positions, step.attn_metadata)
         return self.model(step.input_ids, step.positions, step.attn_metadata, step.logits_indices if pruned else None)
 
@@ -338,7 +411,8 @@ class ModelRunner:
         positions = self.positions.np[:total]
         np.add(num_computed[req_indices], offsets, out=positions)
         self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
-        seq_lens = num_computed + num_scheduled
+        seq_lens = self.seq_lens.np[:num_reqs]
+        np.add(num_computed, num_scheduled, out=seq_lens)
 
         # Sample only where the request has computed all its known tokens (not mid-prompt): at
         # its last known token and at each draft token after it.
@@ -352,26 +426,50 @@ class ModelRunner:
         logits_indices = self.logits_indices.np[:num_logits_total]
         np.add(np.repeat(query_start_loc[sampled_rows + 1] - cu_num_logits, num_logits),
                self._arange[:num_logits_total], out=logits_indices)
+        for table in batch.block_table.block_tables:
+            table.compute_slot_mapping(req_indices, positions)
 
-        attn_metadata = tuple(
-            self.attn_backend.build_metadata(CommonAttentionMetadata(
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                num_computed_tokens=num_computed,
-                block_table=table.block_table[:num_reqs],
-                slot_mapping=table.compute_slot_mapping(req_indices, positions),
-                block_size=table.block_size,
-                device=self.device,
-            ))
-            for table in batch.block_table.block_tables
-        )
+        step = BatchDescriptor(num_tokens=total, uniform_decode=total == num_reqs)
+        replay_as = self.graph_runner.dispatch(step) if self.graph_runner is not None else None
+        num_padded = replay_as.num_tokens if replay_as is not None else total
+        input_ids, positions_gpu, attn_metadata = self._padded_inputs(num_padded, total, num_reqs)
         return StepInputs(
-            input_ids=self.input_ids.copy_to_gpu(total),
-            positions=self.positions.copy_to_gpu(total),
+            input_ids=input_ids,
+            positions=positions_gpu,
             attn_metadata=attn_metadata,
             query_start_loc=query_start_loc,
             sampled_rows=sampled_rows,
             draft_token_ids=draft_token_ids,
             logits_indices=self.logits_indices.copy_to_gpu(num_logits_total),
-            batch_descriptor=BatchDescriptor(num_tokens=total, uniform_decode=total == num_reqs),
+            batch_descriptor=step,
+            replay=replay_as is not None,
         )
+
+    def _padded_inputs(self, num_padded: int, num_tokens: int = 0,
+                       num_reqs: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+        """The step's device inputs from the persistent buffers, which hold its num_tokens tokens
+        of num_reqs requests; a uniform decode step replayed at a recorded size num_padded gets
+        num_padded - num_reqs requests of no tokens (no slot, no length: the attention kernels
+        skip them). With nothing in the buffers, the inputs a recording captures."""
+        pad_tokens, pad_reqs = slice(num_tokens, num_padded), slice(num_reqs + 1, num_padded + 1)
+        self.input_ids.np[pad_tokens] = 0
+        self.positions.np[pad_tokens] = 0
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[pad_reqs] = num_tokens
+        num_reqs_padded = num_reqs + num_padded - num_tokens
+        self.seq_lens.np[num_reqs:num_reqs_padded] = 0
+        attn_metadata = []
+        for table in self.input_batch.block_table.block_tables:
+            table.slot_mapping.np[pad_tokens] = -1
+            attn_metadata.append(self.attn_backend.build_metadata(CommonAttentionMetadata(
+                query_start_loc=self.query_start_loc.np[: num_reqs_padded + 1],
+                seq_lens=self.seq_lens.np[:num_reqs_padded],
+                block_table=table.block_table[:num_reqs_padded],
+                slot_mapping=table.slot_mapping.copy_to_gpu(num_padded),
+                block_size=table.block_size,
+                device=self.device,
+                query_start_loc_gpu=self.query_start_loc.copy_to_gpu(num_reqs_padded + 1),
+                seq_lens_gpu=self.seq_lens.copy_to_gpu(num_reqs_padded),
+                block_table_gpu=table.buffer.copy_to_gpu(num_reqs_padded),
+            )))
+        return self.input_ids.copy_to_gpu(num_padded), self.positions.copy_to_gpu(num_padded), tuple(attn_metadata)

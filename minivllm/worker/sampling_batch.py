@@ -15,6 +15,7 @@ import torch
 from minivllm.sample.logits_processors import SparseLogitsEdits, banned_bad_words
 from minivllm.sample.metadata import PenaltyState, SamplingMetadata
 from minivllm.sampling_params import SamplingParams
+from minivllm.torch_utils import to_device
 
 _NO_TOP_K = 1 << 62
 
@@ -159,7 +160,7 @@ class SamplingBatch:
         return metadata
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return to_device(array, self.device)
 
     def _make_penalties(self, rows: np.ndarray, draft_prefixes: list[list[int]] | None) -> PenaltyState | None:
         penalised = self.has_penalties[rows]
@@ -218,7 +219,7 @@ class SamplingBatch:
         edits = SparseLogitsEdits()
         if bias[0]:
             edits.bias_rows, edits.bias_tokens = self._index(bias[0]), self._index(bias[1])
-            edits.bias_values = torch.tensor(bias[2], dtype=torch.float32, device=self.device)
+            edits.bias_values = to_device(bias[2], self.device, torch.float32)
         if allowed_rows:
             mask = torch.zeros(len(allowed_rows), self.vocab_size, dtype=torch.bool, device=self.device)
             for j, ids in enumerate(allowed_ids):
@@ -229,4 +230,4 @@ class SamplingBatch:
         return edits
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, self.device, torch.int64)

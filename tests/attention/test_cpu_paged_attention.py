@@ -84,8 +84,8 @@ def test_prefill_reads_strided_query_rows():
     table = np.array([[3, 1, 7, 5]], dtype=np.int32)
     positions = np.arange(n)
     slots = torch.from_numpy((table[0, positions // 16] * 16 + positions % 16).astype(np.int64))
-    common = CommonAttentionMetadata(np.array([0, n], dtype=np.int32), np.array([n], dtype=np.int32),
-                                     np.array([0], dtype=np.int32), table, slots, 16, torch.device("cpu"))
+    common = CommonAttentionMetadata.from_arrays(np.array([0, n], dtype=np.int32), np.array([n], dtype=np.int32),
+                                                 table, slots, 16, torch.device("cpu"))
     out = backend.forward(q, k, v, cache, backend.build_metadata(common), dim**-0.5)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
@@ -159,10 +159,9 @@ def _step_output(backend) -> torch.Tensor:
     cache = torch.randn(backend.get_kv_cache_shape(64, 16, 3, 64), generator=gen).to(torch.bfloat16)
     positions = seq_lens - 1
     slots = table[np.arange(3), positions // 16] * 16 + positions % 16
-    common = CommonAttentionMetadata(
-        np.arange(4, dtype=np.int32), seq_lens, seq_lens - 1, table,
-        torch.from_numpy(slots.astype(np.int64)), 16, torch.device("cpu"),
-    )
+    common = CommonAttentionMetadata.from_arrays(
+        np.arange(4, dtype=np.int32), seq_lens, table, torch.from_numpy(slots.astype(np.int64)), 16,
+        torch.device("cpu"))
     q = torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16)
     k = torch.randn(3, 3, 64, generator=gen).to(torch.bfloat16)
     return backend.forward(q, k, k.clone(), cache, backend.build_metadata(common), 0.125)

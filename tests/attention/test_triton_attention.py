@@ -3,40 +3,49 @@ float64 formula (decodes, fresh prompts, later chunks, sliding windows with the 
 NaN), against the reference backend on one cache, and its cache write against the reference write.
 
 On a machine with CUDA the kernels run compiled on the GPU; elsewhere under the Triton
-interpreter on the CPU. TRITON_INTERPRET must be set before the kernels are defined (it decides
-at `triton.jit` time), so this module sets it when it is imported, and only without CUDA; nothing
-else in minivllm runs Triton on the CPU.
+interpreter on the CPU (tests/support/triton_interpret.py).
 """
 
 from __future__ import annotations
 
-import os
-
+import numpy as np
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from attention_utils import run_step  # noqa: E402
+from attention_utils import run_step
+from triton_interpret import DEVICE  # before any kernel is defined
 
 pytest.importorskip("triton")
 
-from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache  # noqa: E402
-from minivllm.attention.triton_attn import TritonAttentionBackend  # noqa: E402
-from minivllm.attention.triton_kernels import BLOCK_M, reshape_and_cache  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from minivllm.attention.torch_ref import TorchRefAttentionBackend, write_kv_cache
+from minivllm.attention.triton_attn import TritonAttentionBackend
+from minivllm.attention.triton_kernels import query_rows, reshape_and_cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mixed_step_matches_formula(dtype):
-    """Decodes of many lengths, fresh prompts shorter and longer than a program's BLOCK_M
-    queries, a later chunk; GQA (3 query heads per KV head); blocks scattered."""
-    seq_lens = [1, 17, 3, 40, 2 * BLOCK_M + 3, 30]
-    query_lens = [1, 1, 3, 1, 2 * BLOCK_M + 3, 6]
+    """Decodes of many lengths, fresh prompts shorter and longer than a program's queries, a
+    later chunk; GQA (3 query heads per KV head: 5 tokens a program); blocks scattered."""
+    block_q = query_rows(3)[1]
+    seq_lens = [1, 17, 3, 40, 2 * block_q + 3, 30]
+    query_lens = [1, 1, 3, 1, 2 * block_q + 3, 6]
     run_step(TritonAttentionBackend(), seq_lens, query_lens, dtype=dtype, block_size=16, device=DEVICE)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 1), (7, 1), (32, 2)])
+def test_query_heads_per_kv_head(heads, kv_heads):
+    """Every grouping a program's rows take: one head per KV head (16 tokens a program), 8 (2
+    tokens), 7 (2 tokens, 2 rows idle), 16 (1 token, 16 rows); requests at the programs' edges."""
+    block_q = query_rows(heads // kv_heads)[1]
+    query_lens = [1, block_q, block_q + 1, 1, 3 * block_q - 1]
+    seq_lens = [9, block_q + 4, block_q + 1, 33, 3 * block_q + 20]
+    run_step(TritonAttentionBackend(), seq_lens, query_lens, heads=heads, kv_heads=kv_heads, block_size=16,
+             seed=heads, device=DEVICE)
+
+
+def test_padding_requests_write_and_change_nothing():
+    """A decode step padded to a recorded size (CUDA graphs): 5 real decodes, 3 padding tokens in
+    requests of no queries whose block-table rows hold stale block ids."""
+    run_step(TritonAttentionBackend(), [7, 30, 1, 16, 45], [1] * 5, block_size=16, padding=3, device=DEVICE)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16])
@@ -63,9 +72,9 @@ def test_agrees_with_reference_backend():
     positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
     rows = np.repeat(np.arange(3), query_lens)
     slots = block_table[rows, positions // 16] * 16 + positions % 16
-    common = CommonAttentionMetadata(
-        np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32), seq_lens, computed.astype(np.int32),
-        block_table, torch.from_numpy(slots.astype(np.int64)).to(DEVICE), 16, torch.device(DEVICE))
+    common = CommonAttentionMetadata.from_arrays(
+        np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32), seq_lens, block_table,
+        torch.from_numpy(slots.astype(np.int64)).to(DEVICE), 16, torch.device(DEVICE))
     cache = torch.randn(TritonAttentionBackend.get_kv_cache_shape(13, 16, 2, 8), generator=gen).to(DEVICE)
     q, k, v = (torch.randn(36, n, 8, generator=gen).to(DEVICE) for n in (6, 2, 2))
     results = []

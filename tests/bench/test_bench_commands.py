@@ -11,6 +11,7 @@ import torch
 
 import minivllm
 from minivllm.bench.datasets import build_dataset
+from minivllm.engine.tracing import load_trace, summarize
 from minivllm.entrypoints.cli import main, make_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -196,6 +197,20 @@ def test_throughput_compare_prefix_caching(model, tmp_path, capsys):
     # The top level is the last variant run.
     assert result["num_cached_prompt_tokens"] == on["num_cached_prompt_tokens"]
     assert_png(png)
+
+
+def test_throughput_compare_tracing(model, tmp_path):
+    out, traces = tmp_path / "result.json", tmp_path / "traces"
+    main(["bench", "throughput", "--model", model, "--dtype", "float32", "--num-prompts", "4",
+          "--input-len", "24", "--output-len", "5", "--compare-tracing", "--trace-dir", str(traces),
+          "--output-json", str(out)])
+    result = json.loads(out.read_text())
+    assert list(result["results"]) == ["minivllm[tracing off]", "minivllm[tracing on]"]
+    for r in result["results"].values():
+        check_figures(r, 4, 4 * 5)
+    (trace,) = traces.glob("*.json")  # the second run's only
+    rows = {name: count for name, count, _, _ in summarize(load_trace(str(trace)))}
+    assert rows["finished"] == 4 + 1  # and the warm-up request
 
 
 # ---- bench latency ---------------------------------------------------------------------------

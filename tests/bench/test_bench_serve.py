@@ -136,6 +136,17 @@ def test_serve_timings_agree_with_the_engine(server, tmp_path):
     assert result["mean_tpot_ms"] == pytest.approx((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / 15)
 
 
+def test_serve_watching_engine_events(server, tmp_path):
+    """--watch-engine-events reads the event stream through the run: at least one message per
+    engine step the run took (and the first, a snapshot)."""
+    steps_before = server.metric("minivllm:engine_step_seconds_count")
+    result = bench(server, tmp_path / "watch.json", "--num-prompts", "4", "--random-input-len", "16",
+                   "--random-output-len", "6", "--watch-engine-events")
+    steps = server.metric("minivllm:engine_step_seconds_count") - steps_before
+    assert result["completed"] == 4 and steps > 0
+    assert result["engine_event_messages"] >= steps and result["engine_event_bytes"] > 0
+
+
 def test_serve_max_concurrency(server, tmp_path, monkeypatch):
     in_flight, peak = 0, 0
     real_send = bench_serve.send_request

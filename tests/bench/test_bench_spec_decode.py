@@ -14,6 +14,7 @@ from server_utils import RemoteServer
 
 from minivllm.bench.serve import parse_metrics, spec_decoding_counters
 from minivllm.bench.utils import spec_decode_report, spec_decode_rows
+from minivllm.config import CacheConfig
 from minivllm.core.outputs import SchedulerStats, SpecDecodingStats
 from minivllm.entrypoints.cli import main
 from minivllm.metrics.prometheus import render
@@ -88,7 +89,7 @@ def test_spec_decoding_counters_from_the_servers_exposition():
 
     def scrape(spec: SpecDecodingStats | None) -> dict:
         stats = EngineStats(scheduler=SchedulerStats(spec_decoding=spec))
-        return parse_metrics(render(lambda: get_metrics_snapshot(stats, "tiny")).decode())
+        return parse_metrics(render(lambda: get_metrics_snapshot(stats, "tiny", CacheConfig())).decode())
 
     after = spec_decoding_counters(scrape(AFTER))
     assert after == AFTER

@@ -140,9 +140,14 @@ def test_eviction_under_pressure(make_tiny_model, make_llm):
 
 
 def test_metrics_names(make_tiny_model, make_llm):
-    llm = make_llm(make_tiny_model("llama"), dtype="float32")
+    llm = make_llm(make_tiny_model("llama"), dtype="float32", num_gpu_blocks_override=97)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     names = {m.name for m in llm.get_metrics()}
+    # vLLM's gauge whose labels tell a tool how many tokens the cache holds (bench soak's warm-up).
+    [info] = [m.labels for m in llm.get_metrics() if m.name == "vllm:cache_config_info"]
+    assert {k: info[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == {
+        "block_size": "16", "num_gpu_blocks": "97", "enable_prefix_caching": "True"}
+    assert "model_name" in info
     assert {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_requests_running",
             "vllm:kv_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens"} <= names
     assert metric(llm, "vllm:generation_tokens") == 4 and metric(llm, "vllm:prompt_tokens") == 3

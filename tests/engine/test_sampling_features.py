@@ -191,8 +191,17 @@ def test_bad_words(llm):
         ({"prompt_logprobs": 50}, "greater than max allowed: 20"),
         ({"logit_bias": {10**7: 1.0}}, "logit_bias contains token id"),
         ({"allowed_token_ids": [-1]}, "allowed_token_ids contains token id"),
+        # Past int64 it used to reach the worker, whose numpy row overflowed: the engine died.
+        ({"top_k": 2**63}, "top_k must be"),
     ],
 )
 def test_bad_params_rejected_by_engine(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([PROMPTS[0]], SamplingParams(**kwargs), use_tqdm=False)
+
+
+def test_priority_beyond_int64_rejected_by_engine(llm):
+    """msgpack cannot carry it to the engine core: a ValueError here, not an OverflowError there."""
+    with pytest.raises(ValueError, match="priority must be a 64-bit signed integer"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), priority=[2**64], use_tqdm=False)
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids) == 1

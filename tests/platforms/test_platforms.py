@@ -72,9 +72,9 @@ def test_cpu_kv_cache_memory_is_the_configured_space():
 
 def test_cuda_platform_decisions():
     """What the CUDA platform answers needs no device: Triton attention then the reference, no CPU
-    kernels."""
+    kernels, decode steps replayed from CUDA graphs."""
     cuda = CudaPlatform()
     assert not cuda.use_custom_kernels(torch.bfloat16) and not cuda.use_packed_linear(torch.bfloat16)
     assert cuda.attention_backend_names(torch.bfloat16, 128) == ["TRITON_ATTN", "TORCH_REF"]
-    assert cuda.graph_runner_qualname() is None
+    assert cuda.graph_runner_qualname() == "minivllm.worker.cuda_graph.CudaGraphRunner"
     assert cuda.kv_cache_memory_bytes(CacheConfig(kv_cache_memory_bytes=77), lambda: None) == 77

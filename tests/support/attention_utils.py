@@ -23,6 +23,7 @@ def run_step(
     sliding_window: int | None = None,
     poison: float = float("nan"),
     device: str = "cpu",
+    padding: int = 0,
 ) -> None:
     """One step over requests with these total lengths and scheduled query tokens; compares the
     backend's output with the formula for every token.
@@ -30,7 +31,9 @@ def run_step(
     With a sliding window, the blocks wholly before every query's window point at a block
     filled with `poison`, as a KV manager that freed them leaves them: NaN for a backend that
     must not read them at all, a large finite value for one that may read them but must mask.
-    The step runs on `device`; the formula on the CPU."""
+    The step runs on `device`; the formula on the CPU. `padding` tokens follow the step's, in
+    as many requests of no queries and no length, with no slot (a step padded to a recorded
+    size): they must write nothing."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens)
@@ -54,19 +57,24 @@ def run_step(
     positions = np.concatenate([np.arange(c, s) for c, s in zip(computed, seq_lens, strict=True)])
     req_of_token = np.repeat(np.arange(len(seq_lens)), query_lens)
     slots = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
-    common = CommonAttentionMetadata(
-        query_start_loc=query_start_loc, seq_lens=np.array(seq_lens, dtype=np.int32),
-        num_computed_tokens=computed, block_table=block_table,
-        slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(device), block_size=block_size,
-        device=torch.device(device),
-    )
-    query = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
-    key = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    common = CommonAttentionMetadata.from_arrays(
+        np.concatenate([query_start_loc, np.full(padding, num_tokens, np.int32)]),
+        np.array(seq_lens + [0] * padding, dtype=np.int32),
+        np.concatenate([block_table, rng.integers(0, num_blocks, (padding, max_blocks), dtype=np.int32)]),
+        torch.from_numpy(np.concatenate([slots, np.full(padding, -1)]).astype(np.int64)).to(device), block_size,
+        torch.device(device))
+    query = torch.randn(num_tokens + padding, heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     on_device = [t.to(device) for t in (query, key, value, kv_cache)]
-    out = backend.forward(*on_device, backend.build_metadata(common), scale, sliding_window).cpu()
-    kv_cache = on_device[3].cpu()
+    out = backend.forward(*on_device, backend.build_metadata(common), scale, sliding_window).cpu()[:num_tokens]
+    untouched = np.ones(num_blocks * block_size, dtype=bool)
+    untouched[slots] = False
+    before, kv_cache = kv_cache, on_device[3].cpu()
+    flat_shape = (2, kv_heads, num_blocks * block_size, head_dim)
+    torch.testing.assert_close(kv_cache.view(flat_shape)[:, :, untouched], before.view(flat_shape)[:, :, untouched],
+                               equal_nan=True, atol=0, rtol=0)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities and output rounded
     # The formula, slot by slot, on the cache as the step left it (new K/V written in).

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from minivllm import LLM, SamplingParams
 
@@ -38,6 +42,56 @@ def assert_engine_idle(llm: LLM) -> None:
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0, stats
     assert stats.kv_cache_usage == 0.0, stats
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+IDLE_TIMEOUT_S = 10.0  # aborts travel to an engine process asynchronously
+
+
+def assert_engines_idle(fixture_values: Iterable[Any]) -> None:
+    """After a test: every engine it used (LLMs, the LLMs of an LLM factory, AsyncLLMs, servers)
+    holds no request, running or waiting, and no KV block (cached-free ones count as free).
+    Engines the test shut down or killed are skipped: a dead engine holds nothing."""
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.engine.exceptions import EngineDeadError
+
+    for value in fixture_values:
+        engines = getattr(value, "_built", [value])  # an LLMFactory: what it built
+        for engine in engines:
+            if isinstance(engine, LLM):
+                stats = lambda llm=engine: llm.llm_engine.get_scheduler_stats()  # noqa: E731
+            elif isinstance(engine, AsyncLLM):
+                stats = lambda llm=engine: asyncio.run(llm.get_scheduler_stats())  # noqa: E731
+            elif type(engine).__name__ == "RemoteServer":
+                _assert_server_idle(engine)
+                continue
+            else:
+                continue
+            try:
+                idle = _wait_for_idle(stats)
+            except EngineDeadError:
+                continue
+            assert idle is None, f"the test left its engine busy: {idle}"
+
+
+def _wait_for_idle(stats: Callable[[], Any]) -> Any:
+    """None once the engine is idle, else its last stats after IDLE_TIMEOUT_S."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        current = stats()
+        if current.num_running_reqs == 0 and current.num_waiting_reqs == 0 and current.kv_cache_usage == 0.0:
+            return None
+        if time.monotonic() > deadline:
+            return current
+        time.sleep(0.05)
+
+
+def _assert_server_idle(server: Any) -> None:
+    from server_utils import wait_until_idle
+
+    if server.proc.poll() is not None:
+        return
+    idle, metrics = wait_until_idle(server, timeout=IDLE_TIMEOUT_S)
+    assert idle, f"the test left its server busy: {metrics}"
 
 
 def num_preemptions(llm: LLM) -> int:

@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -192,6 +193,34 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
     return predicate()
 
 
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+DRAIN_TIMEOUT_S = 20.0
+
+
+def wait_until_idle(server: RemoteServer, refresh: bool = False,
+                    timeout: float = DRAIN_TIMEOUT_S) -> tuple[bool, dict[str, float]]:
+    """Poll /metrics until no request runs or waits and no KV block is held (cached-free ones
+    count as free). With `refresh`, a one-token request goes first each time, so the engine
+    reports fresh scheduler stats (an abort that empties the engine may publish none)."""
+    metrics: dict[str, float] = {}
+
+    def check() -> bool:
+        refreshed = True
+        if refresh:
+            try:
+                server.post("v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}, timeout=5.0)
+            except httpx.TimeoutException:
+                refreshed = False
+        metrics.update(server.metrics())
+        if not refreshed:
+            return False
+        return metrics[RUNNING] == 0 and metrics[WAITING] == 0 and metrics[KV_USAGE] == 0.0
+
+    return wait_for(check, timeout, interval=0.2), metrics
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 
@@ -207,6 +236,30 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] in (status, str(status)), error
     return error
+
+
+# ---- in process: the app over a fake engine ------------------------------------------------
+
+
+class FakeTokenizer:
+    eos_token_id = 2
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], chat_template: str | None = None,
+                            tokenize: bool = True, **kwargs: Any) -> str:
+        return "".join(m["content"] for m in conversation)
+
+
+def fake_engine() -> SimpleNamespace:
+    """What build_app asks of AsyncLLM before any request reaches the engine."""
+    model_config = SimpleNamespace(model="fake", max_model_len=64, hf_config=SimpleNamespace(vocab_size=100))
+    return SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config),
+                           get_tokenizer=FakeTokenizer, check_health=lambda: None, shutdown=lambda: None)
 
 
 # ---- processes ------------------------------------------------------------------------------

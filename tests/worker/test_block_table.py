@@ -28,4 +28,4 @@ def test_rows_per_group_and_slot_mapping():
         slots = tables[g].compute_slot_mapping(req_indices, positions)
         own = {0: blocks[g][0], 2: blocks[g][1]}
         expected = [own[r][p // 4] * 4 + p % 4 for r, p in zip(req_indices, positions, strict=True)]
-        assert slots.dtype == torch.int64 and slots.tolist() == expected
+        assert slots.dtype == np.int64 and slots.tolist() == expected

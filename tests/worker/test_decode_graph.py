@@ -30,8 +30,8 @@ class _Counting:
         self.graph_runner = graph_runner
         self.sizes: list[int] = []
 
-    def can_replay(self, batch: BatchDescriptor) -> bool:
-        return self.graph_runner.can_replay(batch)
+    def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
+        return self.graph_runner.dispatch(batch)
 
     def __call__(self, input_ids, positions, attn_metadata):
         self.sizes.append(input_ids.shape[0])
@@ -113,18 +113,18 @@ def test_recorded_after_the_steps_it_would_have_saved(monkeypatch):
     monkeypatch.setattr(decode_graph, "TRACE_AFTER_STEPS", 3)
     graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     decode, mixed = BatchDescriptor(num_tokens=2, uniform_decode=True), BatchDescriptor(num_tokens=9, uniform_decode=False)
-    assert [graph.can_replay(decode) for _ in range(3)] == [False] * 3
-    assert not graph.can_replay(mixed) and graph.num_eager_steps == 3
-    assert graph.can_replay(decode)
+    assert [graph.dispatch(decode) for _ in range(3)] == [None] * 3
+    assert graph.dispatch(mixed) is None and graph.num_eager_steps == 3
+    assert graph.dispatch(decode) == decode  # unpadded: one trace replays every size
     graph.traced, graph.graph = True, None  # a failed recording: eager from then on
-    assert not graph.can_replay(decode)
+    assert graph.dispatch(decode) is None
 
 
 def test_only_small_uniform_decode_steps_replay():
     graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
-    assert graph.can_replay(BatchDescriptor(num_tokens=1, uniform_decode=True))
-    assert graph.can_replay(BatchDescriptor(num_tokens=MAX_TRACED_ROWS, uniform_decode=True))
-    assert not graph.can_replay(BatchDescriptor(num_tokens=MAX_TRACED_ROWS + 1, uniform_decode=True))
-    assert not graph.can_replay(BatchDescriptor(num_tokens=3, uniform_decode=False))  # a prefill in it
+    for n in (1, MAX_TRACED_ROWS):
+        assert graph.dispatch(BatchDescriptor(num_tokens=n, uniform_decode=True)).num_tokens == n
+    assert graph.dispatch(BatchDescriptor(num_tokens=MAX_TRACED_ROWS + 1, uniform_decode=True)) is None
+    assert graph.dispatch(BatchDescriptor(num_tokens=3, uniform_decode=False)) is None  # a prefill in it
     never = DecodeGraph(model=None, graph_support=GraphSupport.NEVER)
-    assert not never.can_replay(BatchDescriptor(num_tokens=1, uniform_decode=True))
+    assert never.dispatch(BatchDescriptor(num_tokens=1, uniform_decode=True)) is None

@@ -138,7 +138,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0
         self.structured_output_manager = structured_output_manager
-        # Requests whose grammar failed to compile: their error goes out with the next outputs.
+        # Requests that failed alone (a grammar that did not compile, sampling that raised):
+        # their error goes out with the next outputs.
         self._failed: list[Request] = []
         # Speculative decoding: slots each sampling request gets past its scheduled tokens
         # (where a drafter writes its KV), and the verification counters.
@@ -464,6 +465,11 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
+        if model_runner_output.failed:
+            failed = [self.requests[r] for r in model_runner_output.failed if r in self.requests]
+            self.running = [r for r in self.running if r.request_id not in model_runner_output.failed]
+            for request in failed:
+                self._fail(request, model_runner_output.failed[request.request_id])
         outputs = [
             EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason=r.get_finished_reason(),
                              stop_reason=r.stop_reason)

@@ -1,7 +1,10 @@
 """The OpenAI API's request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests map onto SamplingParams in `to_sampling_params`; every field OpenAI clients send is
-accepted, and fields minivllm cannot honour are rejected with a clear 400, not ignored.
+accepted, and fields minivllm cannot honour are rejected with a clear 400, not ignored. What no
+request may carry is refused here, before it costs anything: numbers that are not finite, text
+that is not Unicode (lone surrogates), chat roles and content parts no template expects, and more
+samples, stop strings or logit bias than OpenAI allows.
 """
 
 from __future__ import annotations
@@ -9,9 +12,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -20,9 +32,126 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# OpenAI's limits: n at most 128, each logit bias in [-100, 100]. OpenAI takes 4 stop strings;
+# minivllm takes 64, enough for any chat format, few enough that matching them against the text
+# after every token (in the front end, for every request at once) stays cheap.
+MAX_N = 128
+MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS = 64
+# OpenAI's chat roles: what chat templates are written for.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are accepted (clients send extras freely), as OpenAI and vLLM do.
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body. Python's JSON parser reads NaN, Infinity and overflowing numbers (1e400) as
+    floats that no sampler can use: refused. JSON's \\ud800 escapes read as lone surrogates, which
+    the tokenizer, the chat template and the UTF-8 encoder each fail on differently: refused."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _check_unicode(cls, value: Any) -> Any:
+        # Iterative: the body may nest as deep as the JSON parser allows.
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                if not item.isascii():
+                    try:
+                        item.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise PydanticCustomError(
+                            "lone_surrogate", "Text must be valid Unicode; found a lone surrogate {char}.",
+                            {"char": ascii(e.object[e.start])}) from None
+            elif isinstance(item, dict):
+                pending += item.keys()
+                pending += item.values()
+            elif isinstance(item, list):
+                pending += item
+        return value
+
+
+def _shown(value: Any) -> str:
+    """A value of the request, quoted in an error message: ASCII, and short."""
+    text = ascii(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    for token, value in (bias or {}).items():
+        try:
+            int(token)
+        except ValueError:
+            raise PydanticCustomError("logit_bias_key", "logit_bias keys must be token ids, got {token}.",
+                                      {"token": _shown(token)}) from None
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise PydanticCustomError("logit_bias_value", "logit_bias values must be in [-100, 100], got {value}.",
+                                      {"value": value})
+    return bias
+
+
+def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise PydanticCustomError("too_many_stop_strings", "At most {limit} stop strings, got {count}.",
+                                  {"limit": MAX_STOP_STRINGS, "count": len(stop)})
+    return stop
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each message has one of OpenAI's roles and content that is text: a string, null (an
+    assistant's tool calls), or text parts (images and audio are not served)."""
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise PydanticCustomError("chat_role", "Message {i} needs a role among {roles}; got {role}.",
+                                      {"i": i, "roles": ", ".join(CHAT_ROLES), "role": _shown(role)})
+        content = message.get("content")
+        parts = content if isinstance(content, list) else None
+        if parts is None and content is not None and not isinstance(content, str):
+            raise PydanticCustomError("chat_content", "Message {i}: content must be a string or a list of parts.",
+                                      {"i": i})
+        for part in parts or ():
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise PydanticCustomError("chat_content", "Message {i}: only text content parts are supported.",
+                                          {"i": i})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("chat_content", "Message {i}: a text content part needs a string `text`.",
+                                          {"i": i})
+    return messages
+
+
+# What _check_messages accepts, as /openapi.json says it (a message's other keys, name,
+# tool_calls..., go to the chat template as they are; no template takes an empty conversation).
+CHAT_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        }}]},
+    },
+}}
+ChatMessages = Annotated[list[dict[str, Any]], AfterValidator(_check_messages), WithJsonSchema(CHAT_MESSAGES_SCHEMA)]
+# What _check_logit_bias accepts (its keys as the document says them: int() reads " 5" too).
+LOGIT_BIAS_SCHEMA = {
+    "type": "object",
+    "propertyNames": {"pattern": "^-?[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+}
+
+
+# For /openapi.json, on a field whose empty string or list is refused (minLength and minItems
+# hold for strings and arrays only, so this fits a union with null or with the other).
+NON_EMPTY = {"minLength": 1, "minItems": 1}
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -36,19 +165,20 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, le=MAX_N)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_check_stop)] = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[Annotated[dict[str, float], WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None,
+                          AfterValidator(_check_logit_bias)] = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,10 +192,12 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
+    # NON_EMPTY: what SamplingParams refuses, documented.
+    allowed_token_ids: list[int] | None = Field(None, json_schema_extra=NON_EMPTY)
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
-    cache_salt: str | None = None
+    # vLLM's: separates this request's prefix-cache entries from other users' (a non-empty string).
+    cache_salt: str | None = Field(None, min_length=1)
     # vLLM's extra field: under --scheduling-policy priority, lower is served first.
     priority: int = 0
     # Structured output: OpenAI's response_format, vLLM's structured_outputs ({"json": ...,
@@ -75,7 +207,7 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, json_schema_extra=NON_EMPTY)
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
 
@@ -158,7 +290,7 @@ def _response_format_constraint(response_format: dict[str, Any]) -> dict[str, An
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=NON_EMPTY)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -202,7 +334,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: ChatMessages
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -293,10 +425,10 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: ChatMessages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -307,10 +439,38 @@ class TokenizeResponse(OpenAIBaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    """`type` names the status ("BadRequestError"...; serving.error_type), `code` is the status,
+    `param` the request field at fault, if one is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, which every error status of the server carries (serving.error_body
+    builds it, so what /openapi.json documents is what is sent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorInfo

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from http import HTTPStatus
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from minivllm.engine.async_llm import AsyncLLM
-from minivllm.entrypoints.openai.protocol import StreamOptions, UsageInfo
+from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, StreamOptions, UsageInfo
 from minivllm.outputs import Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class OpenAIError(Exception):
     """An error the client caused (or must know about), with its HTTP status and OpenAI type."""
-
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
@@ -30,8 +33,30 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    error_type = OpenAIError.TYPES.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    info = ErrorInfo(message=message, type=error_type(status), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_type(status: int) -> str:
+    """The error's type as vLLM and the openai client name it: the status's phrase,
+    "BadRequestError", "NotFoundError", "MethodNotAllowedError", "InternalServerError"..., but
+    401 "AuthenticationError"."""
+    if status == HTTPStatus.UNAUTHORIZED:
+        return "AuthenticationError"
+    phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    return phrase if phrase.endswith("Error") else phrase + "Error"
+
+
+# The server's tokenizer work (chat templates, encoding, decoding) runs on these threads, off the
+# event loop: HF's fast tokenizers release the GIL, so a prompt of megabytes (seconds of work, to
+# be refused as too long at the end) stalls no stream, no /health and no other client. They only
+# read the tokenizer (nothing sets its truncation or padding), which Rust allows from many threads.
+_TOKENIZER_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minivllm-tokenizer")
+
+
+async def off_loop(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on a tokenizer thread."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREADS, partial(fn, *args, **kwargs))
 
 
 class OpenAIServing:

@@ -5,12 +5,14 @@ and tool calls forced by tool_choice (tool_calls.py)."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
+from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -28,6 +30,7 @@ from minivllm.entrypoints.openai.serving import (
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    off_loop,
     sse,
     stream_usage,
     top_logprobs,
@@ -39,12 +42,22 @@ from minivllm.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], trust_request_chat_template: bool = False) -> None:
+        super().__init__(engine, served_model_names)
+        self.trust_request_chat_template = trust_request_chat_template
+        # apply_chat_template's own arguments: chat_template_kwargs setting one would change what
+        # it returns (tokenize, return_dict) or override the request's fields.
+        self._template_call_args = {
+            name for name, p in inspect.signature(self.tokenizer.apply_chat_template).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
         tool_choice, tool_schema = parse_tool_choice(request.tools, request.tool_choice)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
-        text, token_ids = self.render(request.messages, request)
+        text, token_ids = await off_loop(self.render, request.messages, request)
         max_tokens = self.resolve_max_tokens(
             len(token_ids), request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens,
             "messages",
@@ -83,18 +96,26 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[dict[str, Any]], request: Any) -> tuple[str, list[int]]:
         """The conversation as prompt text and token ids, through the chat template."""
+        chat_template = getattr(request, "chat_template", None)
+        if chat_template is not None and not self.trust_request_chat_template:
+            # A template is a program (Jinja's sandbox stops attribute tricks, not a gigabyte
+            # string): run the client's only where the operator said so, as vLLM does.
+            raise OpenAIError("A chat_template in the request is refused: the server was not started with "
+                              "--trust-request-chat-template.", 400, "chat_template")
+        template_kwargs = getattr(request, "chat_template_kwargs", None) or {}
+        if reserved := sorted(self._template_call_args & template_kwargs.keys()):
+            raise OpenAIError(f"chat_template_kwargs are the template's variables; {', '.join(reserved)} "
+                              f"cannot be set through them.", 400, "chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
                 [_plain_message(m) for m in messages],
-                chat_template=getattr(request, "chat_template", None),
+                chat_template=chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=getattr(request, "continue_final_message", False),
                 tokenize=False,
                 tools=getattr(request, "tools", None) if getattr(request, "tool_choice", None) != "none" else None,
-                **(getattr(request, "chat_template_kwargs", None) or {}),
+                **template_kwargs,
             )
-        except OpenAIError:
-            raise
         except Exception as e:  # a template that rejects the conversation is the caller's problem
             raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
         return text, self.tokenizer.encode(text, add_special_tokens=False)
@@ -209,15 +230,9 @@ def echo_text(request: ChatCompletionRequest, role: str) -> str:
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI allows content as a list of parts; templates want a string (text parts only)."""
-    if "role" not in message:
-        raise OpenAIError("Each message needs a role.", 400, "messages")
+    """OpenAI allows content as a list of text parts (protocol.py checks them); templates want a
+    string."""
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise OpenAIError("Only text content parts are supported.", 400, "messages")
-            texts.append(part.get("text", ""))
-        message = {**message, "content": "".join(texts)}
+        message = {**message, "content": "".join(part["text"] for part in content)}
     return message

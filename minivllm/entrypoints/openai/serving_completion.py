@@ -19,6 +19,7 @@ from minivllm.entrypoints.openai.serving import (
     OpenAIError,
     OpenAIServing,
     merge_streams,
+    off_loop,
     sse,
     stream_usage,
     top_logprobs,
@@ -34,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("suffix is not supported.", 400, "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of different from n is not supported.", 400, "best_of")
-        prompts = self._prompts(request)
+        prompts = await off_loop(self._prompts, request)
         request_id = random_id("cmpl")
         streams = []
         try:

@@ -32,7 +32,11 @@ class ToolChoice:
 def parse_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[ToolChoice | None, dict | None]:
     """The tool choice and the JSON schema the reply must follow (None, None: no tool call
     forced, the tools are ignored); an OpenAIError (400) for what cannot be served."""
-    if not tools or tool_choice == "none":
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise OpenAIError("tool_choice needs tools to choose from.", 400, "tool_choice")
+        return None, None
+    if tool_choice == "none":
         return None, None
     functions = {}
     for tool in tools:

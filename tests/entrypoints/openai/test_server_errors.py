@@ -1,16 +1,14 @@
 """Bad requests get the right status and an OpenAI error body ({"error": {message, type, param,
-code}}), never a 500 or FastAPI's 422, and the server keeps serving afterwards. API keys guard
-the /v1 routes only."""
+code}}), never a 500 or FastAPI's 422, and the server keeps serving afterwards. The hostile ones,
+and the API key, are test_server_hostile.py's."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from server_utils import (
     MAX_MODEL_LEN,
     MODEL_NAME,
-    TINY_SERVER_ARGS,
     RemoteServer,
     assert_openai_error,
 )
@@ -221,39 +219,3 @@ def test_unsupported_features_are_refused(server, client):
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
                                        top_logprobs=2)  # without logprobs=True
     assert_still_serving(server)
-
-
-# ---- API key ----------------------------------------------------------------------------------
-
-API_KEY = "sk-minivllm-test-key"
-
-
-@pytest.fixture(scope="module")
-def key_server(tiny_llama_dir):
-    with RemoteServer(tiny_llama_dir, [*TINY_SERVER_ARGS, "--served-model-name", MODEL_NAME],
-                      api_key=API_KEY) as remote:
-        yield remote
-
-
-def test_api_key_missing_or_wrong(key_server):
-    url = key_server.url_for
-    for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": API_KEY},
-                    {"Authorization": f"Basic {API_KEY}"}):
-        assert_openai_error(httpx.get(url("v1", "models"), headers=headers), 401)
-        assert_openai_error(httpx.post(url("v1", "completions"), json=COMPLETION, headers=headers), 401)
-        assert_openai_error(httpx.post(url("v1", "chat", "completions"), json=CHAT, headers=headers), 401)
-    # The openai client with a wrong key.
-    with key_server.client(api_key="wrong-key") as bad, pytest.raises(openai.AuthenticationError) as info:
-        bad.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
-    assert_openai_error(info.value.response, 401)
-    # Not /v1: open without a key.
-    assert httpx.get(url("health")).status_code == 200
-    assert httpx.get(url("version")).status_code == 200
-    assert httpx.get(url("metrics")).status_code == 200
-    # The right key works (and the server kept serving).
-    with key_server.client() as good:
-        assert [m.id for m in good.models.list().data] == [MODEL_NAME]
-        completion = good.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
-        assert completion.usage.completion_tokens >= 1
-        chat = good.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
-        assert chat.choices[0].message.content is not None

@@ -1,5 +1,6 @@
-"""Graceful shutdown: on SIGTERM the server lets the requests in flight finish (streamed and not),
-then exits with code 0 within its shutdown timeout, taking its engine-core process with it."""
+"""Graceful shutdown: on SIGTERM the server refuses new requests (503, /health too) and lets the
+requests in flight finish (streamed and not), then exits with code 0 within its shutdown timeout,
+taking its engine-core process with it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir):
                 server.metrics()
             server.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
+            # Draining: new requests (and health checks) are refused while these two run on.
+            refused = httpx.post(server.url_for("v1/completions"), json={**body, "max_tokens": 1}, timeout=10.0)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["message"] == "The server is shutting down."
+            assert httpx.get(server.url_for("health"), timeout=10.0).status_code == 503
             try:
                 events = [first] + [line for line in lines if line.startswith("data: ")]
             except httpx.HTTPError as e:

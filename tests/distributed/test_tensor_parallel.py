@@ -96,13 +96,6 @@ def test_tp2_decode_trace_records_the_collectives(cases, make_llm, capfd):
     check_logprobs_close(outputs_0=tp1, outputs_1=tp2, name_0="tp1", name_1="tp2 traced")
 
 
-def test_tp2_matches_tp1(cases, make_llm):
-    model_dir, prompts, _ = cases["llama_kv3"]
-    tp1 = generate_greedy(make_llm(model_dir, dtype="float32"), prompts)
-    tp2 = generate_greedy(make_llm(model_dir, **TP2), prompts)
-    check_logprobs_close(outputs_0=tp1, outputs_1=tp2, name_0="tp1", name_1="tp2")
-
-
 def test_tp2_requests_that_come_and_go_at_different_steps(cases, make_llm):
     """Four requests start two steps before the other six and finish two steps earlier: every
     rank must move the remaining rows alike when they leave (a rank that laid out its batch by

@@ -3,8 +3,8 @@ transformers' Gemma3ForCausalLM loaded from the same file, float32, vLLM's logpr
 
 Prompts shorter and far longer than the 512-token window (up to 8000 tokens), batched; then
 chunked at 384 tokens (chunks straddle the window's edge), preempted by a small cache, and run
-again from the prefix cache. Then the KV blocks one 8000-token request holds, with and without
-the hybrid manager.
+again from the prefix cache. (The KV blocks an 8000-token request holds in this layout:
+test_hybrid_kv_memory.py.)
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import assert_engine_idle, num_preemptions, trace_held_blocks
+from engine_utils import assert_engine_idle, num_preemptions
 from reference import check_logprobs_close, hf_greedy, load_gemma3_gguf_model
 
 from minivllm import SamplingParams
-from minivllm.utils import cdiv
 
 MAX_NEW_TOKENS = 8
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -78,34 +77,3 @@ def test_chunked_preempted_and_cached_matches_hf(gemma3_gguf, reference_outputs,
     _check(llm, prompts, reference, names, "minivllm[cached]")
     assert llm.llm_engine.get_scheduler_stats().prefix_cache_hits > 0
     assert_engine_idle(llm)
-
-
-def _blocks_after_prefill(llm, prompt: list[int]) -> list[tuple[int, int]]:
-    """(blocks held, layers) per group once the prompt is computed and one token decoded."""
-    return next(held for computed, held in trace_held_blocks(llm, prompt, 3) if computed > len(prompt))
-
-
-def test_8k_request_holds_the_global_layers_and_a_window_per_local_layer(gemma3_gguf, reference_outputs,
-                                                                         make_llm, monkeypatch):
-    """Blocks of 16 tokens; 8001 tokens computed: 501 blocks for each of the 3 global layers,
-    and per local layer at most the window's 511 tokens and the new one: 33 blocks. Counted in
-    layer-blocks (blocks x layers of the group), against 501 for every layer without the hybrid
-    manager (printed for the closing note: pytest -s)."""
-    prompts, _ = reference_outputs
-    prompt = prompts["random_8000"]
-    counts = {}
-    for hybrid in (True, False):
-        monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
-        llm = make_llm(gemma3_gguf, dtype="bfloat16", max_model_len=8192, max_num_batched_tokens=2048,
-                       disable_hybrid_kv_cache_manager=not hybrid)
-        counts[hybrid] = _blocks_after_prefill(llm, prompt)
-    *local, (global_blocks, global_layers) = counts[True]
-    assert [layers for _, layers in local] == [3] * 5 and global_layers == 3
-    assert global_blocks == cdiv(len(prompt) + 1, 16) == 501
-    assert all(blocks <= cdiv(512 - 1, 16) + 1 for blocks, _ in local), local
-    ((full_blocks, full_layers),) = counts[False]
-    assert (full_blocks, full_layers) == (501, 18)
-    hybrid_layer_blocks = sum(blocks * layers for blocks, layers in counts[True])
-    print(f"\n8k request, layer-blocks held: hybrid {hybrid_layer_blocks}, every layer full "
-          f"{full_blocks * full_layers} ({full_blocks * full_layers / hybrid_layer_blocks:.2f}x); "
-          f"groups (blocks, layers): {counts[True]} vs {counts[False]}")

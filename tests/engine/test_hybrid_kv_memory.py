@@ -45,3 +45,30 @@ def test_window_layers_keep_only_their_window(gemma3_dir, make_llm, monkeypatch)
     # per local layer, against 22 per layer: 48 layer-blocks instead of 88.
     computed, ((window_blocks, _), (global_blocks, _)) = hybrid[-1]
     assert (computed, window_blocks, global_blocks) == (PROMPT_LEN + MAX_TOKENS - 2, 2, 22)
+
+
+def test_8k_request_in_gemma3_270m_layout(make_tiny_model, make_llm, monkeypatch):
+    """Gemma 3 270M's layers (18: five local ones, window 512, before each global one) at tiny
+    widths. Blocks of 16 tokens; 8001 tokens computed: 501 blocks for each of the 3 global layers,
+    and per local layer at most the window's 511 tokens and the new one: 33 blocks. Counted in
+    layer-blocks (blocks x layers of the group), against 501 for every layer without the hybrid
+    manager (printed for the closing note: pytest -s)."""
+    model_dir = make_tiny_model("gemma3", num_hidden_layers=18, sliding_window=512, max_position_embeddings=8192,
+                                layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)
+    prompt = list(range(1000, 9000))
+    counts = {}
+    for hybrid in (True, False):
+        monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
+        llm = make_llm(model_dir, dtype="float32", max_model_len=8192, max_num_batched_tokens=2048,
+                       disable_hybrid_kv_cache_manager=not hybrid)
+        counts[hybrid] = next(held for computed, held in trace_held_blocks(llm, prompt, 3) if computed > len(prompt))
+    *local, (global_blocks, global_layers) = counts[True]
+    assert [layers for _, layers in local] == [3] * 5 and global_layers == 3
+    assert global_blocks == cdiv(len(prompt) + 1, 16) == 501
+    assert all(blocks <= cdiv(512 - 1, 16) + 1 for blocks, _ in local), local
+    ((full_blocks, full_layers),) = counts[False]
+    assert (full_blocks, full_layers) == (501, 18)
+    hybrid_layer_blocks = sum(blocks * layers for blocks, layers in counts[True])
+    print(f"\n8k request, layer-blocks held: hybrid {hybrid_layer_blocks}, every layer full "
+          f"{full_blocks * full_layers} ({full_blocks * full_layers / hybrid_layer_blocks:.2f}x); "
+          f"groups (blocks, layers): {counts[True]} vs {counts[False]}")

@@ -16,14 +16,14 @@ def test_higher_priority_overtakes_in_the_queue(tiny_llama_dir):
         finished: list[str] = []
 
         def send(name: str, route: str, body: dict) -> None:
-            response = server.post(route, {"model": MODEL_NAME, "max_tokens": 200, "ignore_eos": True, **body})
+            response = server.post(route, {"model": MODEL_NAME, "max_tokens": 50, "ignore_eos": True, **body})
             assert response.status_code == 200, response.text
             finished.append(name)
 
         # The one seat is taken by a long request (1000 tokens: seconds even for the tiny model,
         # so the queue is still full when counted); four more wait behind it, each sent with a
-        # better (lower) priority than the one before, on alternating routes. Each runs 200 steps
-        # (a fifth of a second or more), so one response cannot overtake another on its way to its
+        # better (lower) priority than the one before, on alternating routes. Each runs 50 steps
+        # (tenths of a second), so one response cannot overtake another on its way to its
         # thread: the order they finish in is the order they ran in.
         blocker = threading.Thread(target=send, args=("blocker", "v1/completions",
                                                       {"prompt": "Hello", "max_tokens": 1000}))

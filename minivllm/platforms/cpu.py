@@ -13,7 +13,7 @@ import torch
 
 from minivllm import envs
 from minivllm.ops import cpu_kernels
-from minivllm.platforms.cpu_env import configure_allocator
+from minivllm.platforms.cpu_env import bound_onednn_caches, configure_allocator
 from minivllm.platforms.interface import GiB, Platform
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ class CpuPlatform(Platform):
 
     def init_process(self) -> None:
         configure_allocator()
+        bound_onednn_caches()
 
     def use_custom_kernels(self, dtype: torch.dtype) -> bool:
         return dtype in KERNEL_DTYPES and cpu_kernels.enabled()

@@ -128,6 +128,23 @@ function setStatus(text, status) {
   el.textContent = text; el.dataset.status = status;
 }
 
+// Server-sent events: each frame (the text between blank lines) to onFrame, until the stream ends.
+async function readFrames(response, onFrame) {
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      onFrame(frame);
+    }
+  }
+}
+
 function handleFrame(frame) {
   let event = "message", data = "";
   for (const line of frame.split("\n")) {
@@ -149,19 +166,7 @@ async function connect() {
         continue;
       }
       setStatus("live", "live");
-      const reader = response.body.getReader();
-      const decoder = new TextDecoder();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        let end;
-        while ((end = buffer.indexOf("\n\n")) >= 0) {
-          handleFrame(buffer.slice(0, end));
-          buffer = buffer.slice(end + 2);
-        }
-      }
+      await readFrames(response, handleFrame);
     } catch (e) {
       console.warn(e);
     }
@@ -479,21 +484,12 @@ async function sendPrompt() {
                            messages: [{ role: "user", content: document.getElementById("prompt-input").value }] }),
   });
   if (!response.ok) { output.textContent = await response.text(); output.dataset.state = "error"; return; }
-  const reader = response.body.getReader(), decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const line = buffer.slice(0, end).replace(/^data: /, "");
-      buffer = buffer.slice(end + 2);
-      if (line === "[DONE]") continue;
-      const delta = JSON.parse(line).choices[0]?.delta?.content;
-      if (delta) output.textContent += delta;
-    }
-  }
+  await readFrames(response, (frame) => {
+    const line = frame.replace(/^data: /, "");
+    if (line === "[DONE]") return;
+    const delta = JSON.parse(line).choices[0]?.delta?.content;
+    if (delta) output.textContent += delta;
+  });
   output.dataset.state = "done";
 }
 document.getElementById("prompt-send").addEventListener("click", () => sendPrompt().catch((e) => {

@@ -20,7 +20,7 @@ from server_utils import (
 )
 
 SHUTDOWN_TIMEOUT_S = 60
-MAX_TOKENS = 300  # ~1 s on an idle CPU, well under the timeout on a loaded one
+MAX_TOKENS = 1000  # ~4 s on an idle CPU: both run long enough to be seen together; well under the timeout
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir):

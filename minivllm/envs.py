@@ -56,3 +56,13 @@ def cpu_packed_linear() -> bool:
     """MINIVLLM_CPU_PACKED_LINEAR (default 1): on CPU in bfloat16, keep linear weights in oneDNN's
     packed layout (model/layers/linear.py); 0 applies the plain weights with F.linear."""
     return _bool("MINIVLLM_CPU_PACKED_LINEAR", True)
+
+
+def cpu_bf16_gemm() -> str:
+    """MINIVLLM_CPU_BF16_GEMM (default auto): which GEMM runs bfloat16 linears on CPU, onednn
+    (oneDNN's, with the CPU's bfloat16 dot product) or minivllm (ops/csrc/bf16_gemm.cpp, float32
+    FMAs on the bfloat16 weight); auto times both once per process (platforms/cpu_gemm.py)."""
+    value = os.environ.get("MINIVLLM_CPU_BF16_GEMM", "auto").strip().lower()
+    if value not in ("auto", "onednn", "minivllm"):
+        raise ValueError(f"MINIVLLM_CPU_BF16_GEMM must be auto, onednn or minivllm, got {value!r}.")
+    return value

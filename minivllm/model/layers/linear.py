@@ -15,10 +15,14 @@ loaded from Q8_0 or Q5_0 int8 codes, and uses them for inputs of few rows (see q
 
 On CPU in bfloat16, F.linear runs oneDNN, which re-blocks the [out, in] weight into its GEMM
 layout on every call. Where the platform says so (platforms/cpu.py: use_packed_linear),
-`process_weights_after_loading` does that once: the weight becomes oneDNN's
-packed tensor (same memory) and `linear` calls oneDNN's linear on it, through minivllm's
-packed_linear op (ops/csrc/packed_linear.cpp), which decode traces can record. Same results bit
-for bit; per call 2x faster at 1 row, 1.6x at 8, 1.1-1.2x at 64-512 rows (2-core AVX-512 CPU).
+`process_weights_after_loading` does that once, for the GEMM this CPU runs faster
+(platforms/cpu_gemm.py times both). oneDNN's: the weight becomes oneDNN's packed tensor (same
+memory) and `linear` calls oneDNN's linear on it, through minivllm's packed_linear op
+(ops/csrc/packed_linear.cpp), which decode traces can record; same results as F.linear bit for
+bit, per call 2x faster at 1 row, 1.6x at 8, 1.1-1.2x at 64-512 rows (2-core AVX-512 CPU).
+minivllm's (ops/csrc/bf16_gemm.cpp, float32 FMAs on the bfloat16 weight): the weight becomes
+panels of 32 output columns; the products are the same, only the order of the float32 sums
+differs, so a result may differ from F.linear's in its last bfloat16 bit.
 """
 
 from __future__ import annotations
@@ -38,12 +42,16 @@ from minivllm.model.layers.quant import (
     Q8_0Weight,
     pack_q4_1,
 )
+from minivllm.platforms.cpu_gemm import PANEL, use_minivllm_gemm
 
 Checkpoint = torch.Tensor | GroupQuantized
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 [out, in] weight in oneDNN's blocked GEMM layout, for `linear`."""
+    """A bfloat16 [out, in] weight in the layout of the GEMM this CPU runs faster, for `linear`:
+    minivllm's panels ([out / 32, in, 32]) or oneDNN's blocked tensor (platforms/cpu_gemm.py)."""
+    if weight.shape[0] % PANEL == 0 and use_minivllm_gemm():
+        return torch.ops.minivllm_cpu.bf16_pack_weight(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
@@ -51,6 +59,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b), for a plain weight or one packed by pack_linear_weight."""
     if weight.is_mkldnn:
         return torch.ops.minivllm_cpu.packed_linear(x, weight, bias)
+    if weight.dim() == 3:
+        return torch.ops.minivllm_cpu.bf16_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

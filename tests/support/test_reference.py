@@ -86,6 +86,23 @@ def test_hf_greedy_logprobs_match_full_recompute(make_tiny_model):
             assert lp == pytest.approx(float(row[tok]), abs=1e-4)
 
 
+def test_hf_greedy_prefill_chunks_give_the_whole_prompts_result(make_tiny_model):
+    """A tiny Gemma 3 (windows of 16 tokens beside full layers), prompts of 1 to 70 tokens fed
+    in chunks of 16 (a chunk's window reaches into the one before) and of 7: the tokens of the
+    one-piece prefill, and its logprobs within float32's rounding."""
+    model = load_hf_model(make_tiny_model("gemma3", head_dim=16, num_hidden_layers=4, sliding_window=16,
+                                          layer_types=["sliding_attention", "full_attention"] * 2))
+    prompts = _random_prompts(4, [1, 16, 33, 70], seed=3)
+    whole = hf_greedy(model, prompts, max_new_tokens=6, top_k=3)
+    for chunk in (16, 7):
+        chunked = hf_greedy(model, prompts, max_new_tokens=6, top_k=3, prefill_chunk=chunk)
+        for a, b in zip(whole, chunked, strict=True):
+            assert a.token_ids == b.token_ids
+            for top_a, top_b in zip(a.top_logprobs, b.top_logprobs, strict=True):
+                assert top_a.keys() == top_b.keys()
+                assert all(top_b[t] == pytest.approx(v, abs=1e-4) for t, v in top_a.items())
+
+
 def test_hf_greedy_accepts_path_and_ignores_eos(smollm2_hf_dir):
     """SmolLM2 answers the chat prompt and emits <|im_end|> (id 2) early; hf_greedy must keep
     going for exactly max_new_tokens and still agree with generate(eos_token_id=None)."""

@@ -24,6 +24,7 @@ import gguf  # noqa: E402
 import jinja2  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import reference  # noqa: E402  (tests/support)
 import transformers  # noqa: E402
 
 from minivllm.engine.processor import Processor  # noqa: E402
@@ -293,7 +294,8 @@ def test_processor_stops_at_extra_eos(gemma_file):
 @pytest.fixture(scope="module")
 def gemma3_ref(gemma3_gguf):
     """transformers' tokenizer from the file: ~20-50 s, so built once."""
-    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    with reference.one_gguf_reader(gemma3_gguf):
+        return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
 
 
 @pytest.fixture(scope="module")

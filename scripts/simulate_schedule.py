@@ -2,8 +2,9 @@
 TTFT, TPOT and ITL with the machine's noise taken out. Poisson arrivals (all at once at rate 0),
 prompts uniform in [min, max] tokens, every request `--output-len` tokens, and optionally the
 burst of `bench serve` (`--burst-num-prompts` prompts at `--burst-delay` s); each step takes
-a + b x tokens + c x requests + d x attention pairs seconds (StepCostModel's features; fit them
-from a real run's steps) times a log-normal factor of sigma. Each setting runs the same arrivals
+a + b x tokens + c x requests + d x attention pairs seconds (StepCostModel's features; a
+least-squares fit of a real run's step times gives the weights) times a log-normal factor of
+sigma; percentiles as `bench serve` takes them (numpy's). Each setting runs the same arrivals
 and noise per seed. Run from the repository root (docs/PERFORMANCE.md, "Serving under load"):
 
     .venv/bin/python scripts/simulate_schedule.py --request-rate 0.9 --a 0.03 --b 0.0012 --c 0.002
@@ -17,6 +18,8 @@ import random
 import statistics
 import sys
 
+import numpy as np
+
 sys.path.insert(0, "tests/support")
 from core_utils import create_scheduler  # noqa: E402
 
@@ -26,14 +29,10 @@ from minivllm.core.sched.step_cost import StepBudget  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def run(args: argparse.Namespace, max_step_ms: float | None, seed: int) -> dict[str, float]:
     """One simulated serving run; latencies in ms."""
     rng, noise = random.Random(seed), random.Random(seed + 1)
+    weights = (args.a, args.b, args.c, args.d)
     scheduler = create_scheduler(num_blocks=4096, max_num_seqs=256, max_model_len=2048, max_step_ms=max_step_ms)
     arrivals, t = [], 0.0
     for _ in range(args.num_prompts):
@@ -56,9 +55,8 @@ def run(args: argparse.Namespace, max_step_ms: float | None, seed: int) -> dict[
             arrived[req_id] = at
             next_arrival += 1
         output = scheduler.schedule()
-        shape = scheduler.last_step_shape
-        seconds = (args.a + args.b * shape.num_tokens + args.c * shape.num_reqs + args.d * shape.num_attention_pairs)
-        seconds *= math.exp(noise.gauss(0.0, args.sigma))
+        features = scheduler.last_step_shape.features()
+        seconds = sum(w * f for w, f in zip(weights, features, strict=True)) * math.exp(noise.gauss(0.0, args.sigma))
         req_ids = list(output.num_scheduled_tokens)
         sampled = [[1000] if (r := scheduler.requests[i]).num_computed_tokens >= r.num_tokens else [] for i in req_ids]
         clock += seconds
@@ -74,9 +72,9 @@ def run(args: argparse.Namespace, max_step_ms: float | None, seed: int) -> dict[
             num_tokens[req_id] = num_tokens.get(req_id, 0) + 1
     ttft = [first[r] - arrived[r] for r in first]
     tpot = [(last[r] - first[r]) / (num_tokens[r] - 1) for r in first if num_tokens[r] > 1]
-    return {"TTFT p50": 1e3 * percentile(ttft, 50), "TTFT p99": 1e3 * percentile(ttft, 99),
-            "TPOT p50": 1e3 * percentile(tpot, 50), "TPOT p99": 1e3 * percentile(tpot, 99),
-            "ITL p99": 1e3 * percentile(gaps, 99), "output tok/s": sum(num_tokens.values()) / clock}
+    figures = {f"{name} p{q}": 1e3 * float(np.percentile(values, q))
+               for name, values in (("TTFT", ttft), ("TPOT", tpot)) for q in (50, 99)}
+    return figures | {"ITL p99": 1e3 * float(np.percentile(gaps, 99)), "output tok/s": sum(num_tokens.values()) / clock}
 
 
 def main() -> None:

@@ -10,11 +10,11 @@ Session fixtures (each built at most once per pytest session, only when requeste
 * ``smollm2_gguf``         -- the real SmolLM2-135M-Instruct GGUF.
 * ``gemma3_gguf``          -- the real Gemma 3 270M Q4_K_M GGUF (assembled from its PyPI chunk
                               packages into the minivllm cache root on first use).
-* ``gemma3_hf_model``     -- transformers' Gemma3ForCausalLM of that file, fp32 (~30 s to load;
-                              ~1.1 GB held for the rest of the session once requested).
                               A test that requests either real model (REAL_MODEL_FIXTURES), directly
                               or through another fixture, is marked ``slow``: that is the whole rule,
                               so ``-m "not slow"`` runs every test that does not load a real model.
+* ``gemma3_hf_model``      -- transformers' Gemma3ForCausalLM of that file, fp32 (~30 s to load;
+                              ~1.1 GB held for the rest of the session once requested).
 * ``tokenizer_dir``        -- SmolLM2 tokenizer files only (tokenizer.json, tokenizer_config.json,
                               chat_template.jinja), read from the GGUF's metadata (~5 s), or
                               $MINIVLLM_TEST_TOKENIZER_DIR where set (a machine without the GGUF,

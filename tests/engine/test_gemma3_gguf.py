@@ -44,10 +44,9 @@ def reference_outputs(gemma3_gguf, gemma3_hf_model):
 
     prompts = _prompts(get_tokenizer(str(gemma3_gguf)))
     # Prefilled in chunks of 1024 (transformers' own chunked prefill): its sliding-window layers
-    # then attend to their windows, not to the whole 8000 tokens (a quarter of the time).
+    # then attend to their windows, not to the whole 8000 tokens (33 -> 18 s for that prompt).
     results = hf_greedy(gemma3_hf_model, list(prompts.values()), MAX_NEW_TOKENS, prefill_chunk=1024)
-    outputs = dict(zip(prompts, (r.as_output() for r in results),
-                       strict=True))
+    outputs = dict(zip(prompts, (r.as_output() for r in results), strict=True))
     return prompts, outputs
 
 

@@ -33,4 +33,5 @@ def test_one_prompt_alone_takes_the_formulas_time(max_step_ms):
     decodes = [a + b + c + d * (n + 1) for n in (128, 129, 130)]
     assert figures["TTFT p50"] == pytest.approx(1e3 * prefill)
     assert figures["TPOT p50"] == pytest.approx(1e3 * sum(decodes) / 3)
-    assert figures["ITL p99"] == pytest.approx(1e3 * decodes[-1])
+    # numpy's percentile: 99% of the way through 3 sorted gaps is 98% from the 2nd to the 3rd.
+    assert figures["ITL p99"] == pytest.approx(1e3 * (decodes[1] + 0.98 * (decodes[2] - decodes[1])))

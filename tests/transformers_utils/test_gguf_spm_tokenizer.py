@@ -293,7 +293,9 @@ def test_processor_stops_at_extra_eos(gemma_file):
 
 @pytest.fixture(scope="module")
 def gemma3_ref(gemma3_gguf):
-    """transformers' tokenizer from the file: ~20-50 s, so built once."""
+    """transformers' tokenizer from the file, built once: ~20-50 s, ~10 s of it parsing the
+    file's metadata, which the session's one reader of the file (reference.one_gguf_reader) saves
+    when the Gemma model was loaded first."""
     with reference.one_gguf_reader(gemma3_gguf):
         return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
 

@@ -8,11 +8,13 @@ import argparse
 import json
 import math
 import re
+import time
 
 import pytest
 from structured_cases import ARITHMETIC, CHOICES, SCHEMAS, check_json, check_regex, parse_arithmetic
 
 from minivllm import SamplingParams
+from minivllm.core.request import RequestStatus
 from minivllm.sampling_params import StructuredOutputsParams
 
 PROMPTS = ["Reply in JSON about a user and their scores.", "Colour and size?", "Write an expression:",
@@ -148,3 +150,43 @@ def test_backend_option_on_the_command_line():
         AsyncEngineArgs(structured_outputs_config={"backend": "outlines"}).create_engine_config()
     with pytest.raises(ValueError, match="Unknown structured_outputs_config keys: bogus"):
         AsyncEngineArgs(structured_outputs_config={"bogus": 1}).create_engine_config()
+
+
+def test_a_step_that_can_run_nothing_waits_for_the_grammar(make_tiny_model, monkeypatch):
+    """The engine core holds only a request whose grammar compiles (slowed by 0.5 s). Every step
+    that can run nothing waits for the compile, at most GRAMMAR_WAIT_S each, so the steps taken
+    meanwhile are at most the time waited over GRAMMAR_WAIT_S (spinning took one every ~0.1 ms
+    and held the GIL from the compile threads: SmolLM2's first grammar in a fresh server took
+    47 s instead of about 1). Then the request runs to a valid reply."""
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.core import GRAMMAR_WAIT_S, EngineCore
+    from minivllm.engine.messages import EngineCoreRequest
+    from minivllm.structured_output.backend_xgrammar import XgrammarBackend
+    from minivllm.transformers_utils.tokenizer import get_tokenizer
+
+    compile_grammar = XgrammarBackend.compile
+
+    def slow_compile(self, params):
+        time.sleep(0.5)
+        return compile_grammar(self, params)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
+    config = EngineArgs(model=str(make_tiny_model("llama")), dtype="float32", kv_cache_memory_bytes=1 << 20,
+                        max_model_len=256).create_engine_config()
+    core = EngineCore(config)
+    try:
+        params = constrained(StructuredOutputsParams(choice=CHOICES), 0.0)
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], params, eos_token_id=None, arrival_time=time.time()))
+        request = core.scheduler.requests["r"]
+        start, steps, token_ids = time.monotonic(), 0, []
+        while request.status == RequestStatus.WAITING_FOR_FSM:
+            token_ids += [t for out in core.step().outputs for t in out.new_token_ids]
+            steps += 1
+        waited = time.monotonic() - start
+        assert waited >= 0.5 and steps <= waited / GRAMMAR_WAIT_S + 2
+        while core.has_unfinished_requests():
+            token_ids += [t for out in core.step().outputs for t in out.new_token_ids]
+        tokenizer = get_tokenizer(config.model_config.tokenizer)
+        assert tokenizer.decode(token_ids, skip_special_tokens=True) in CHOICES
+    finally:
+        core.shutdown()

@@ -20,6 +20,7 @@ the computed draft tokens that were rejected.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -242,6 +243,17 @@ class Scheduler:
             output.structured_output_request_ids = {
                 r.request_id: row for r, row in zip(sampling, first_rows, strict=True)}
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling, spec_tokens)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a waiting request's grammar is compiled, at most `timeout` seconds (none
+        compiling: return at once). For a step that scheduled nothing: such a step can only be
+        waiting for grammars, and an engine that steps again at once starves their compile threads."""
+        futures = [so_request.future for request in self.waiting
+                   if request.status == RequestStatus.WAITING_FOR_FSM
+                   and (so_request := request.structured_output_request) is not None
+                   and so_request.future is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def observe_step_time(self, seconds: float) -> None:
         """The measured time of the step last scheduled: the cost model and the budget learn

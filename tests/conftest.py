@@ -23,6 +23,9 @@ Session fixtures (each built at most once per pytest session, only when requeste
                               embeddings, tokenizer copied from ``tokenizer_dir``) (~25 s).
 * ``smollm2_gguf_logits``  -- ``(prompt_ids, logits[1, L, V])`` of the GGUF-loaded transformers
                               model, computed during the export (the GGUF model is then freed).
+* ``smollm2_hf_greedy``    -- ``(prompts, outputs)``: transformers' greedy tokens and top-5
+                              logprobs on that export for engine_utils' prompts (seed 1) and a
+                              chat prompt (~25 s), for the TP=1 and TP=2 checks of the real model.
 * ``make_tiny_model``      -- factory ``make_tiny_model(arch, **kw) -> Path`` (cached per args).
 
 ``tiny_model_dir`` is function-scoped and parametrizable with ``indirect=True``: the param is an
@@ -53,7 +56,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import reference  # noqa: E402  (tests/support, on pytest's pythonpath)
 import torch  # noqa: E402
-from engine_utils import assert_engines_idle  # noqa: E402
+from engine_utils import MAX_NEW_TOKENS, assert_engines_idle, make_prompts  # noqa: E402
 
 from minivllm import LLM  # noqa: E402
 
@@ -140,6 +143,21 @@ def smollm2_hf_dir(_smollm2_export) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf_logits(_smollm2_export) -> tuple[list[int], torch.Tensor]:
     return _smollm2_export.prompt_ids, _smollm2_export.gguf_logits
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_greedy(smollm2_gguf, smollm2_hf_dir) -> tuple[list[list[int]], list]:
+    """transformers' greedy tokens and top-5 logprobs (MAX_NEW_TOKENS) for engine_utils'
+    prompts of seed 1 and a chat prompt: ~25 s of float32 decoding, computed once for the checks
+    of the real model at TP=1 and TP=2."""
+    from minivllm.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(smollm2_gguf))
+    prompts = make_prompts(tokenizer, 49152, seed=1)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompts.append(tokenizer.encode(chat))
+    return prompts, [r.as_output() for r in reference.hf_greedy(smollm2_hf_dir, prompts, MAX_NEW_TOKENS)]
 
 
 @pytest.fixture(scope="session")

@@ -5,15 +5,14 @@ lm_head on its vocabulary rows, against the same engine at TP=1."""
 
 from __future__ import annotations
 
-from engine_utils import MAX_NEW_TOKENS, generate_greedy, make_prompts
-from reference import check_logprobs_close, hf_greedy
+from engine_utils import generate_greedy, make_prompts
+from reference import check_logprobs_close
 
 
-def test_smollm2_tp2_float32_matches_hf(smollm2_gguf, smollm2_hf_dir, make_llm):
+def test_smollm2_tp2_float32_matches_hf(smollm2_gguf, smollm2_hf_greedy, make_llm):
     llm = make_llm(smollm2_gguf, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=256)
-    prompts = make_prompts(llm.get_tokenizer(), 49152, seed=1)
+    prompts, reference = smollm2_hf_greedy
     outputs = generate_greedy(llm, prompts)
-    reference = [r.as_output() for r in hf_greedy(smollm2_hf_dir, prompts, MAX_NEW_TOKENS)]
     check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1="tp2")
     exact = sum(ours[0] == ref[0] for ours, ref in zip(outputs, reference, strict=True))
     assert exact >= len(prompts) - 2, f"only {exact}/{len(prompts)} sequences identical"

@@ -70,17 +70,12 @@ def test_torch_path_matches_hf(tiny_case, make_llm, monkeypatch):
     check_logprobs_close(outputs_0=reference, outputs_1=generate_greedy(llm, prompts), name_0="hf", name_1="minivllm[torch]")
 
 
-def test_smollm2_gguf_matches_hf(smollm2_gguf, smollm2_hf_dir, make_llm):
+def test_smollm2_gguf_matches_hf(smollm2_gguf, smollm2_hf_greedy, make_llm):
     """The real SmolLM2-135M-Instruct, loaded by minivllm from the GGUF file, against
     transformers' own GGUF import of the same file."""
     llm = make_llm(smollm2_gguf, dtype="float32", max_num_batched_tokens=256)
-    prompts = make_prompts(llm.get_tokenizer(), 49152, seed=1)
-    chat = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
-    )
-    prompts.append(llm.get_tokenizer().encode(chat))
+    prompts, reference = smollm2_hf_greedy
     outputs = generate_greedy(llm, prompts)
-    reference = [r.as_output() for r in hf_greedy(smollm2_hf_dir, prompts, MAX_NEW_TOKENS)]
     check_logprobs_close(outputs_0=reference, outputs_1=outputs, name_0="hf", name_1="minivllm")
     # Most real prompts should agree exactly, not just within the near-tie criterion.
     exact = sum(ours[0] == ref[0] for ours, ref in zip(outputs, reference, strict=True))

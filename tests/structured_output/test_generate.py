@@ -157,7 +157,8 @@ def test_a_step_that_can_run_nothing_waits_for_the_grammar(make_tiny_model, monk
     that can run nothing waits for the compile, at most GRAMMAR_WAIT_S each, so the steps taken
     meanwhile are at most the time waited over GRAMMAR_WAIT_S (spinning took one every ~0.1 ms
     and held the GIL from the compile threads: SmolLM2's first grammar in a fresh server took
-    47 s instead of about 1). Then the request runs to a valid reply."""
+    47 s, 4.5 s with the wait). Those waits are not step times: the step histogram counts only the
+    step that ran the prompt. Then the request runs to a valid reply."""
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.engine.core import GRAMMAR_WAIT_S, EngineCore
     from minivllm.engine.messages import EngineCoreRequest
@@ -184,6 +185,7 @@ def test_a_step_that_can_run_nothing_waits_for_the_grammar(make_tiny_model, monk
             steps += 1
         waited = time.monotonic() - start
         assert waited >= 0.5 and steps <= waited / GRAMMAR_WAIT_S + 2
+        assert core.scheduler.step_seconds.count == 1
         while core.has_unfinished_requests():
             token_ids += [t for out in core.step().outputs for t in out.new_token_ids]
         tokenizer = get_tokenizer(config.model_config.tokenizer)

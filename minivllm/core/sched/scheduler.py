@@ -257,7 +257,10 @@ class Scheduler:
 
     def observe_step_time(self, seconds: float) -> None:
         """The measured time of the step last scheduled: the cost model and the budget learn
-        from it."""
+        from it. A step that ran nothing (its time spent waiting for grammars) held up no stream
+        and is not a step time."""
+        if self.last_step_shape.num_tokens == 0:
+            return
         predicted = self.step_cost.observe(self.last_step_shape, seconds)
         self.step_seconds.observe(seconds)
         if self.step_budget is not None:

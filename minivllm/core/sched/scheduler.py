@@ -246,8 +246,9 @@ class Scheduler:
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block until a waiting request's grammar is compiled, at most `timeout` seconds (none
-        compiling: return at once). For a step that scheduled nothing: such a step can only be
-        waiting for grammars, and an engine that steps again at once starves their compile threads."""
+        compiling: return at once). For a step that scheduled nothing, which is one where every
+        unfinished request waits for its grammar: an engine that steps again at once starves the
+        compile threads of the GIL."""
         futures = [so_request.future for request in self.waiting
                    if request.status == RequestStatus.WAITING_FOR_FSM
                    and (so_request := request.structured_output_request) is not None

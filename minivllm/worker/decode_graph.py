@@ -10,9 +10,10 @@ against 5.2-9.9 ms eager, same results bit for bit).
 
 A trace fixes every Python decision the forward made while it was recorded: which kernel each
 Linear picked, that every request has one query token, which attention calls ran. Those
-decisions are the same for every uniform decode step of at most MAX_TRACED_ROWS requests
-(Linears take their quantized codes up to INT4_MAX_ROWS rows, so the bound is that) when the
-attention backend's metadata of such steps is tensors (GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE),
+decisions are the same for every uniform decode step of at most `max_traced_rows` requests (a
+Linear with GGUF codes takes them up to its own bound, the dequantized weight past it, so the
+trace stops at the smallest such bound, and at MAX_TRACED_ROWS) when the attention backend's
+metadata of such steps is tensors (GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE),
 and the sizes themselves are read from the tensors when the trace replays, so one trace serves
 all of them. Any other step runs eagerly. The step's inputs (token ids, positions, the attention
 metadata's tensors) are the trace's arguments; weights and KV caches are constants of the
@@ -41,25 +42,35 @@ from torch import nn
 
 from minivllm.attention.backend import GraphSupport
 from minivllm.logger import init_logger
-from minivllm.model.layers.quant import INT4_MAX_ROWS
+from minivllm.model.layers.linear import Linear
 from minivllm.worker.graph_runner import BatchDescriptor, StepArgs, rebuild_with_tensors, tensors_of
 
 logger = init_logger(__name__)
 
-# Largest batch replayed from the trace: every size up to it takes the same path through the
-# model. (Past it the Python cost is a small part of the step: 64 requests, ~3 ms of ~110.)
-MAX_TRACED_ROWS = INT4_MAX_ROWS
+# Largest batch replayed from a trace. Past it the Python cost is a small part of the step (64
+# requests, ~3 ms of ~110); up to it the trace saves 4-8 ms of SmolLM2's 20-40 ms steps of 9-16
+# requests and 3-5 ms at 24-32 (2-core Zen 4, 2026-12-07).
+MAX_TRACED_ROWS = 32
 # Eager steps before the trace is recorded: its cost (~1 s) over what one replay saves (~5 ms).
 TRACE_AFTER_STEPS = 200
 
 
+def max_traced_rows(model: nn.Module) -> int:
+    """The most requests one trace of `model` serves: the smallest bound of its Linears that keep
+    GGUF codes (each takes them up to its bound, the dequantized weight past it), at most
+    MAX_TRACED_ROWS."""
+    bounds = [m.quantized_max_rows for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    return min([*bounds, MAX_TRACED_ROWS])
+
+
 class DecodeGraph:
-    """Uniform decode steps of up to MAX_TRACED_ROWS requests, replayed from one trace."""
+    """Uniform decode steps of up to `max_rows` requests, replayed from one trace."""
 
     def __init__(self, model: nn.Module, graph_support: GraphSupport, capture_sizes: tuple[int, ...] = ()) -> None:
         """capture_sizes: unused, one trace replays every size."""
         self.model = model
         self.enabled = graph_support >= GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        self.max_rows = max_traced_rows(model)
         self.num_eager_steps = 0  # steps it could have replayed, run eagerly before recording
         self.traced = False  # whether tracing was tried
         self.graph: torch.jit.ScriptModule | None = None  # None after a failed trace
@@ -68,7 +79,7 @@ class DecodeGraph:
         """Nothing at start-up: the trace is recorded once it has paid for itself."""
 
     def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
-        if not (self.enabled and batch.uniform_decode and batch.num_tokens <= MAX_TRACED_ROWS):
+        if not (self.enabled and batch.uniform_decode and batch.num_tokens <= self.max_rows):
             return None
         if self.traced:
             return batch if self.graph is not None else None

@@ -1,7 +1,9 @@
 """minivllm's Q4_1 kernel (ops/csrc/q4_1_linear.cpp): x @ W^T from the GGUF file's codes, scales
 and mins, against the exact product in float64 (the result must be that product rounded once to
-bfloat16, up to float32 sums), on the real SmolLM2 matrices and on random ones; the packing
-keeps fused shards apart; bad shapes are refused; and layers pick it only where it runs."""
+bfloat16, up to float32 sums), on the real SmolLM2 matrices and on random ones, for any number
+of rows (past 8, the rows of each group of 8 come out as that group alone gives them); the
+packing keeps fused shards apart; bad shapes are refused; and layers pick it only where it runs
+and for at most Q4_1_MAX_ROWS rows."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from minivllm.model.gguf_loader import iterate_gguf_q4_1
-from minivllm.model.layers.quant import INT4_MAX_ROWS, Int4Weight, Q4_1Tiles, Q4_1Weight, pack_q4_1
+from minivllm.model.layers.linear import Linear
+from minivllm.model.layers.quant import Q4_1_MAX_ROWS, Int4Weight, Q4_1Tiles, Q4_1Weight, pack_q4_1
 
 NAMES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
          "model.layers.3.mlp.up_proj.weight", "model.layers.29.mlp.down_proj.weight")
@@ -51,7 +54,7 @@ def assert_rounded_exact(out: torch.Tensor, exact: torch.Tensor) -> None:
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
 
 
-@pytest.mark.parametrize("rows", range(1, INT4_MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, 10), 16, 23, Q4_1_MAX_ROWS])
 def test_file_matrices_give_the_exact_product(file_codes, rows):
     gen = torch.Generator().manual_seed(rows)
     for name in NAMES:
@@ -76,6 +79,15 @@ def test_more_exact_than_torch_int4(file_codes):
     err_ours = (Q4_1Tiles.from_q4_1([w]).matmul(x).double() - exact).abs().mean()
     err_int4 = (Int4Weight.from_q4_1([w]).matmul(x).double() - exact).abs().mean()
     assert err_ours < err_int4
+
+
+@pytest.mark.parametrize("rows", [9, 17, 40])
+def test_rows_past_a_group_are_the_groups_alone(rows):
+    """Each group of 8 rows is computed as a call with those rows alone would (the same
+    accumulation), whatever the tile count (19 tiles: parts of passes of 4)."""
+    tiles = Q4_1Tiles.from_q4_1([random_q4_1(304, 1536, seed=rows)])
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    assert torch.equal(tiles.matmul(x), torch.cat([tiles.matmul(x[r:r + 8]) for r in range(0, rows, 8)]))
 
 
 def test_strided_and_transposed_rows():
@@ -104,8 +116,6 @@ def test_fused_shards_pack_like_the_parts(file_codes):
 def test_bad_inputs_are_refused():
     tiles = Q4_1Tiles.from_q4_1([random_q4_1(32, 64, seed=4)])
     op = torch.ops.minivllm_cpu.q4_1_linear
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        op(torch.zeros(9, 64, dtype=torch.bfloat16), tiles.weight)
     with pytest.raises(RuntimeError, match="for x of 96 columns"):
         op(torch.zeros(1, 96, dtype=torch.bfloat16), tiles.weight)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -123,3 +133,23 @@ def test_pack_picks_the_kernel_that_runs(monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
     assert isinstance(pack_q4_1([random_q4_1(32, 64, seed=5)]), Int4Weight)
     assert pack_q4_1([random_q4_1(24, 64, seed=5)]) is None
+
+
+def test_a_layer_takes_the_codes_up_to_its_bound():
+    """Up to Q4_1_MAX_ROWS rows the layer runs the kernel on the file's weights; past it the
+    dequantized bfloat16 matrix (the same product up to its rounding)."""
+    w = random_q4_1(64, 128, seed=6)
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = Linear(128, 64)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    layer.weight.weight_loader(layer.weight, exact_weight(w).to(torch.bfloat16))
+    layer.load_quantized(w)
+    assert isinstance(layer.quantized, Q4_1Tiles) and layer.quantized_max_rows == Q4_1_MAX_ROWS
+    gen = torch.Generator().manual_seed(7)
+    at_bound = torch.randn(Q4_1_MAX_ROWS, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(layer(at_bound), layer.quantized.matmul(at_bound))
+    past = torch.randn(Q4_1_MAX_ROWS + 1, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(layer(past), torch.nn.functional.linear(past, layer.weight))

@@ -9,11 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import model_runner
+from torch import nn
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backend import GraphSupport
+from minivllm.model.layers.linear import Linear
+from minivllm.model.layers.quant import Q4_1_MAX_ROWS, Q8_0_MAX_ROWS, Q4_1Tiles, Q8_0Weight
 from minivllm.worker import decode_graph
-from minivllm.worker.decode_graph import MAX_TRACED_ROWS, DecodeGraph
+from minivllm.worker.decode_graph import MAX_TRACED_ROWS, DecodeGraph, max_traced_rows
 from minivllm.worker.graph_runner import BatchDescriptor
 
 
@@ -24,13 +27,16 @@ def in_process(monkeypatch):
 
 
 class _Counting:
-    """A graph runner that records the sizes it replays."""
+    """A graph runner that records the sizes it replays, and those of every uniform decode step."""
 
     def __init__(self, graph_runner: DecodeGraph) -> None:
         self.graph_runner = graph_runner
         self.sizes: list[int] = []
+        self.decode_sizes: set[int] = set()
 
     def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
+        if batch.uniform_decode:
+            self.decode_sizes.add(batch.num_tokens)
         return self.graph_runner.dispatch(batch)
 
     def __call__(self, input_ids, positions, attn_metadata):
@@ -48,13 +54,14 @@ def _generate(llm: LLM) -> list:
     gen = torch.Generator().manual_seed(0)
     lengths = (5, 17, 200, 9, 33, 3, 64, 12, 1, 40)
     prompts = [{"prompt_token_ids": torch.randint(10, 40000, (n,), generator=gen).tolist()} for n in lengths]
-    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=3)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 2 * i, ignore_eos=True, logprobs=3)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     if graph_runner is not None:
         runner.graph_runner = graph_runner
-        if graph_runner.graph is not None:  # the replayed steps took every size up to the bound
-            assert set(counting.sizes) == set(range(1, MAX_TRACED_ROWS + 1))
+        if graph_runner.graph is not None:  # every decode step up to the bound replayed (9 and 10 too)
+            assert set(counting.sizes) == {n for n in counting.decode_sizes if n <= graph_runner.max_rows}
+            assert max(counting.sizes) > 8
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -74,7 +81,7 @@ def test_traced_decode_equals_eager(make_tiny_model, make_llm, arch, dtype):
 
 
 def test_traced_decode_equals_eager_smollm2(smollm2_gguf, make_llm):
-    """Its Linears pick Q4_1 codes up to 8 rows, the dense weights above."""
+    """Its Linears take their Q4_1 codes (up to Q4_1_MAX_ROWS rows) in the trace as eagerly."""
     check_traced_equals_eager(make_llm, smollm2_gguf, "bfloat16")
 
 
@@ -111,7 +118,7 @@ def test_recorded_after_the_steps_it_would_have_saved(monkeypatch):
     """Steps that could replay run eagerly TRACE_AFTER_STEPS times; the next one records (the
     ski-rental rule); steps that could never replay do not count."""
     monkeypatch.setattr(decode_graph, "TRACE_AFTER_STEPS", 3)
-    graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    graph = DecodeGraph(model=nn.Module(), graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     decode, mixed = BatchDescriptor(num_tokens=2, uniform_decode=True), BatchDescriptor(num_tokens=9, uniform_decode=False)
     assert [graph.dispatch(decode) for _ in range(3)] == [None] * 3
     assert graph.dispatch(mixed) is None and graph.num_eager_steps == 3
@@ -120,11 +127,28 @@ def test_recorded_after_the_steps_it_would_have_saved(monkeypatch):
     assert graph.dispatch(decode) is None
 
 
+def test_the_trace_stops_where_a_linear_changes_kernel():
+    """A model whose Linears keep no codes traces up to MAX_TRACED_ROWS; one with codes up to the
+    smallest of their bounds (Q8_0 and torch's int4: 8 rows; minivllm's Q4_1: Q4_1_MAX_ROWS)."""
+    def linear_with(quantized) -> Linear:
+        layer = Linear(32, 16)
+        layer.quantized, layer.quantized_max_rows = quantized, quantized.max_rows
+        return layer
+
+    q4_1 = Q4_1Tiles(torch.zeros(1, 1, 320, dtype=torch.uint8))
+    q8_0 = Q8_0Weight(torch.zeros(16, 32, dtype=torch.int8), torch.zeros(16, 1, dtype=torch.float16))
+    assert max_traced_rows(nn.Sequential(Linear(32, 16))) == MAX_TRACED_ROWS
+    assert max_traced_rows(nn.Sequential(linear_with(q4_1))) == min(Q4_1_MAX_ROWS, MAX_TRACED_ROWS)
+    assert max_traced_rows(nn.Sequential(linear_with(q4_1), linear_with(q8_0))) == Q8_0_MAX_ROWS
+    graph = DecodeGraph(model=nn.Sequential(linear_with(q8_0)), graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert graph.dispatch(BatchDescriptor(num_tokens=Q8_0_MAX_ROWS + 1, uniform_decode=True)) is None
+
+
 def test_only_small_uniform_decode_steps_replay():
-    graph = DecodeGraph(model=None, graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    graph = DecodeGraph(model=nn.Module(), graph_support=GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
     for n in (1, MAX_TRACED_ROWS):
         assert graph.dispatch(BatchDescriptor(num_tokens=n, uniform_decode=True)).num_tokens == n
     assert graph.dispatch(BatchDescriptor(num_tokens=MAX_TRACED_ROWS + 1, uniform_decode=True)) is None
     assert graph.dispatch(BatchDescriptor(num_tokens=3, uniform_decode=False)) is None  # a prefill in it
-    never = DecodeGraph(model=None, graph_support=GraphSupport.NEVER)
+    never = DecodeGraph(model=nn.Module(), graph_support=GraphSupport.NEVER)
     assert never.dispatch(BatchDescriptor(num_tokens=1, uniform_decode=True)) is None

@@ -33,8 +33,6 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_group
 from minivllm.model.layers.quant import (
-    INT4_MAX_ROWS,
-    Q8_0_MAX_ROWS,
     GroupQuantized,
     Int4Weight,
     Q4_1Tiles,
@@ -143,9 +141,10 @@ class Linear(nn.Module):
         shards = [self._quantized_shards[s] for s in order]
         self._quantized_shards = {}
         if all(isinstance(s, Q4_1Weight) for s in shards):
-            self.quantized, self.quantized_max_rows = pack_q4_1(shards), INT4_MAX_ROWS
+            self.quantized = pack_q4_1(shards)
         elif all(isinstance(s, Q8_0Weight) for s in shards):
-            self.quantized, self.quantized_max_rows = Q8_0Weight.cat(shards), Q8_0_MAX_ROWS
+            self.quantized = Q8_0Weight.cat(shards)
+        self.quantized_max_rows = self.quantized.max_rows if self.quantized is not None else 0
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (see the module docstring); called once, after loading."""

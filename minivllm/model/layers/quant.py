@@ -25,13 +25,16 @@ import torch
 from minivllm.ops import cpu_kernels
 
 Q4_1_GROUP = 32
-# Rows up to which the int4 kernel is used. Measured on a 2-core AVX-512 CPU for a 3072x576
+# Rows up to which torch's int4 kernel is used. Measured on a 2-core AVX-512 CPU for a 3072x576
 # layer: 4.3x faster than the bfloat16 matmul at 1 row, 2.6x at 4, 1.4x at 8, slower from ~14.
 # Against the oneDNN-packed bfloat16 weights (linear.py), decoding SmolLM2 with 4 sequences takes
-# 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36. minivllm's Q4_1
-# kernel stays ahead of the packed matrix further (30 layers: 11 vs 20 ms at 8 rows, 15 vs 20 at
-# 12 in two calls); 8 remains the one bound for both kernels, and the decode trace's.
+# 20-22 ms per step with int4 vs 25-29 without, with 8 sequences 33 vs 33-36.
 INT4_MAX_ROWS = 8
+# Rows up to which minivllm's Q4_1 kernel is used. It reads each few tiles of codes once for all
+# the rows, 8 at a time, so past 8 rows it stays ahead of the packed bfloat16 matrix, which reads
+# 4x the bytes: SmolLM2's 30 layers of linears (2-core Zen 4, 2026-12-07) 8.2 vs 13.0 ms at 9
+# rows, 12.0 vs 15.8 at 16, 22.0 vs 24.1 at 32, about even at 64 (the kernel compute-bound there).
+Q4_1_MAX_ROWS = 32
 Q4_1_TILE = 16  # rows per tile of q4_1_linear's layout
 
 
@@ -67,6 +70,7 @@ class Q4_1Weight(GroupQuantized):
 class Int4Weight:
     packed: torch.Tensor  # [N, K // 2] uint8, the kernel's layout
     scales_and_zeros: torch.Tensor  # [K // 32, N, 2] bfloat16
+    max_rows = INT4_MAX_ROWS
 
     @classmethod
     def from_q4_1(cls, shards: list[Q4_1Weight]) -> Int4Weight:
@@ -89,6 +93,7 @@ class Q4_1Tiles:
     and block of 32 columns, 256 bytes of codes, then 16 float16 scales and 16 mins."""
 
     weight: torch.Tensor  # [N / 16, K / 32, 320] uint8
+    max_rows = Q4_1_MAX_ROWS
 
     @classmethod
     def from_q4_1(cls, shards: list[Q4_1Weight]) -> Q4_1Tiles:
@@ -107,7 +112,7 @@ class Q4_1Tiles:
         return cls(torch.cat([codes, scale_min.view(torch.uint8).reshape(tiles, blocks, -1)], dim=-1))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M <= INT4_MAX_ROWS, K] bfloat16 -> x @ W^T [M, N] bfloat16."""
+        """x [M, K] bfloat16 -> x @ W^T [M, N] bfloat16."""
         return torch.ops.minivllm_cpu.q4_1_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight)
 
 
@@ -133,6 +138,7 @@ class Q8_0Weight(GroupQuantized):
 
     q: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N, K // 32] float16
+    max_rows = Q8_0_MAX_ROWS
 
     @classmethod
     def cat(cls, shards: list[Q8_0Weight]) -> Q8_0Weight:

@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -37,7 +38,8 @@ constexpr int64_t kUnits = 4;                                 // 64-byte loads o
 constexpr int64_t kBlockBytes = kUnits * 64 + 2 * kTile * 2;  // codes, then scales and mins
 constexpr float kOffset = 128.f;
 constexpr uint16_t kOffsetBits = 0x4300;  // bfloat16 128.0
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kRowGroup = 8;     // rows whose accumulators fit the registers at once
+constexpr int64_t kTilesPerPass = 4;  // tiles read once for all the groups of rows
 
 inline __m512 broadcast_pair(const c10::BFloat16* x) {
   uint32_t pair;
@@ -105,11 +107,33 @@ void block_sums(const c10::BFloat16* x, int64_t blocks, float* sums) {
   }
 }
 
-template <int M>
-void run(const c10::BFloat16* x, int64_t x_stride, const float* xsum, int64_t k, const uint8_t* w,
+// Tiles [t_begin, t_end) for `rows` (1..kRowGroup) rows of x.
+void tiles_of_rows(int64_t rows, const c10::BFloat16* x, int64_t x_stride, const float* xsum, int64_t k,
+                   const uint8_t* w, c10::BFloat16* out, int64_t out_stride, int64_t t_begin, int64_t t_end) {
+  switch (rows) {
+    case 1: tiles_kernel<1>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 2: tiles_kernel<2>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 3: tiles_kernel<3>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 4: tiles_kernel<4>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 5: tiles_kernel<5>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 6: tiles_kernel<6>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    case 7: tiles_kernel<7>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+    default: tiles_kernel<8>(x, x_stride, xsum, k, w, out, out_stride, t_begin, t_end); break;
+  }
+}
+
+// More rows than one group's accumulators hold: each few tiles are read from memory once and
+// serve every group of rows from the cache (kTilesPerPass tiles of a 1536-column matrix: 60 KB).
+void run(int64_t m, const c10::BFloat16* x, int64_t x_stride, const float* xsum, int64_t k, const uint8_t* w,
          c10::BFloat16* out, int64_t tiles) {
+  const int64_t blocks = k / kBlock, out_stride = tiles * kTile;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    tiles_kernel<M>(x, x_stride, xsum, k, w, out, tiles * kTile, begin, end);
+    for (int64_t t = begin; t < end; t += kTilesPerPass) {
+      const int64_t t_end = std::min(end, t + kTilesPerPass);
+      for (int64_t r = 0; r < m; r += kRowGroup)
+        tiles_of_rows(std::min(kRowGroup, m - r), x + r * x_stride, x_stride, xsum + r * blocks, k, w, out + r * out_stride,
+                      out_stride, t, t_end);
+    }
   });
 }
 
@@ -117,7 +141,6 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "x must be bfloat16 [M, K] with contiguous rows");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m <= kMaxRows, "q4_1_linear takes at most ", kMaxRows, " rows, got ", m);
   TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
               k % kBlock == 0 && weight.size(1) == k / kBlock && weight.size(2) == kBlockBytes,
               "weight must be uint8 [N / 16, K / 32, ", kBlockBytes, "] for x of ", k, " columns, got ",
@@ -131,16 +154,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weight) {
   for (int64_t r = 0; r < m; ++r) block_sums(xp + r * xs, blocks, xsum.data() + r * blocks);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   auto* o = out.data_ptr<c10::BFloat16>();
-  switch (m) {
-    case 1: run<1>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 2: run<2>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 3: run<3>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 4: run<4>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 5: run<5>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 6: run<6>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    case 7: run<7>(xp, xs, xsum.data(), k, w, o, tiles); break;
-    default: run<8>(xp, xs, xsum.data(), k, w, o, tiles); break;
-  }
+  run(m, xp, xs, xsum.data(), k, w, o, tiles);
   return out;
 }
 

@@ -1,4 +1,4 @@
-// x @ W^T for a few bfloat16 rows of x against a GGUF Q4_1 matrix kept as stored: W[n, k] =
+// x @ W^T for the bfloat16 rows of a small step against a GGUF Q4_1 matrix kept as stored: W[n, k] =
 // scale[n, k / 32] * q[n, k] + min[n, k / 32], codes q in [0, 16), float16 scale and min.
 //
 // A decode step reads every weight once for one or a few rows, so it should run at the speed
@@ -10,6 +10,10 @@
 // the file's, so the result is the exact product up to float32 sums and the final rounding to
 // bfloat16. (Converting the codes to float32 for FMAs was compute-bound: round 4 of
 // docs/perf-log.md.)
+//
+// The registers hold the accumulators of 8 rows; more rows are taken 8 at a time over each few
+// tiles, which the first group reads from memory and the others from the cache, so a step of 9-32
+// rows still moves the codes once (model/layers/quant.py: Q4_1_MAX_ROWS).
 //
 // Layout (model/layers/quant.py packs it): rows in tiles of 16; per tile and block of 32 columns,
 // 4 units of 64 bytes, then the 16 scales and the 16 mins (float16). In unit u, the 16-bit word

@@ -135,8 +135,8 @@ void run(int64_t m, const c10::BFloat16* x, int64_t x_stride, const float* xsum,
     for (int64_t t = begin; t < end; t += kTilesPerPass) {
       const int64_t t_end = std::min(end, t + kTilesPerPass);
       for (int64_t r = 0; r < m; r += kRowGroup)
-        tiles_of_rows(std::min(kRowGroup, m - r), x + r * x_stride, x_stride, xsum + r * blocks, k, w, out + r * out_stride,
-                      out_stride, t, t_end);
+        tiles_of_rows(std::min(kRowGroup, m - r), x + r * x_stride, x_stride, xsum + r * blocks, k, w,
+                      out + r * out_stride, out_stride, t, t_end);
     }
   });
 }

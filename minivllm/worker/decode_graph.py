@@ -59,7 +59,7 @@ def max_traced_rows(model: nn.Module) -> int:
     """The most requests one trace of `model` serves: the smallest bound of its Linears that keep
     GGUF codes (each takes them up to its bound, the dequantized weight past it), at most
     MAX_TRACED_ROWS."""
-    bounds = [m.quantized_max_rows for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    bounds = [m.quantized.max_rows for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     return min([*bounds, MAX_TRACED_ROWS])
 
 

@@ -38,7 +38,7 @@ def test_q8_0_shards_run_as_one_matrix_for_few_rows():
     for shard_id, w in ((0, gate), (1, up)):
         layer.weight.weight_loader(layer.weight, _dense(w).bfloat16(), shard_id)
         layer.load_quantized(w, shard_id)
-    assert isinstance(layer.quantized, Q8_0Weight) and layer.quantized_max_rows == Q8_0_MAX_ROWS
+    assert isinstance(layer.quantized, Q8_0Weight) and layer.quantized.max_rows == Q8_0_MAX_ROWS
     x = torch.randn(Q8_0_MAX_ROWS, 64).bfloat16()
     exact = x.float() @ torch.cat([_dense(gate), _dense(up)]).T  # the codes' weights, unrounded
     out = layer(x)

@@ -147,7 +147,7 @@ def test_a_layer_takes_the_codes_up_to_its_bound():
             torch.set_default_dtype(torch.float32)
     layer.weight.weight_loader(layer.weight, exact_weight(w).to(torch.bfloat16))
     layer.load_quantized(w)
-    assert isinstance(layer.quantized, Q4_1Tiles) and layer.quantized_max_rows == Q4_1_MAX_ROWS
+    assert isinstance(layer.quantized, Q4_1Tiles) and layer.quantized.max_rows == Q4_1_MAX_ROWS
     gen = torch.Generator().manual_seed(7)
     at_bound = torch.randn(Q4_1_MAX_ROWS, 128, generator=gen).to(torch.bfloat16)
     assert torch.equal(layer(at_bound), layer.quantized.matmul(at_bound))

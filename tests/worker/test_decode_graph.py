@@ -132,7 +132,7 @@ def test_the_trace_stops_where_a_linear_changes_kernel():
     smallest of their bounds (Q8_0 and torch's int4: 8 rows; minivllm's Q4_1: Q4_1_MAX_ROWS)."""
     def linear_with(quantized) -> Linear:
         layer = Linear(32, 16)
-        layer.quantized, layer.quantized_max_rows = quantized, quantized.max_rows
+        layer.quantized = quantized
         return layer
 
     q4_1 = Q4_1Tiles(torch.zeros(1, 1, 320, dtype=torch.uint8))

@@ -118,9 +118,8 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        # The matrix as GGUF codes, for steps of at most `quantized_max_rows` rows.
+        # The matrix as GGUF codes, for steps of at most `quantized.max_rows` rows.
         self.quantized: Q4_1Tiles | Int4Weight | Q8_0Weight | None = None
-        self.quantized_max_rows = 0
         self._quantized_shards: dict[object, GroupQuantized] = {}
 
     def rank_share(self, loaded: Checkpoint, shard_id: object, is_bias: bool) -> Checkpoint:
@@ -144,7 +143,6 @@ class Linear(nn.Module):
             self.quantized = pack_q4_1(shards)
         elif all(isinstance(s, Q8_0Weight) for s in shards):
             self.quantized = Q8_0Weight.cat(shards)
-        self.quantized_max_rows = self.quantized.max_rows if self.quantized is not None else 0
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (see the module docstring); called once, after loading."""
@@ -154,7 +152,7 @@ class Linear(nn.Module):
         return self.apply_weight(x, self.bias)
 
     def apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] <= self.quantized_max_rows:
+        if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             out = self.quantized.matmul(x).to(x.dtype)
             return out if bias is None else out + bias
         return linear(x, self.weight, bias)

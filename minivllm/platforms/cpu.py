@@ -64,6 +64,11 @@ class CpuPlatform(Platform):
             return torch.ops.minivllm_cpu.argmax_rows(x)
         return x.argmax(dim=-1)
 
+    def exponential_race_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """minivllm's (ops/csrc/exponential_race.cpp): torch's CPU exponential_ draws on one
+        thread, ~1 ms per row of a 49k vocabulary, 20-30x the kernel's time."""
+        return torch.ops.minivllm_cpu.exponential_race if cpu_kernels.enabled() else None
+
     def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
         if cache_config.kv_cache_memory_bytes is not None:
             return cache_config.kv_cache_memory_bytes

@@ -55,6 +55,12 @@ class Platform(ABC):
         """Each row's argmax (the first index of the maximum; NaN counts as largest)."""
         return x.argmax(dim=-1)
 
+    def exponential_race_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """(probs [rows, vocab] float32, one int64 seed per row) -> each row's winner of an
+        exponential race whose draws a counter-based generator derives from the seed; None
+        where torch's exponential_ is fast enough (the sampler then races with it)."""
+        return None
+
     @abstractmethod
     def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
         """Bytes the KV cache may take on this device (kv_cache_memory_bytes, when set, wins);

@@ -17,7 +17,8 @@ Decoding", 2023):
 
 Everything is batched tensor code over all rows of the step (requests without drafts are one
 bonus row each); the only host copy is the caller's, of the output token ids. Random draws
-(uniforms, the exponential race of sampler.py) come from each seeded request's own generator.
+(uniforms, the exponential race of sampler.py: Sampler.random_sample) come from each seeded
+request's own generator.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from minivllm.sample.sampler import (
     LogprobsTensors,
     Sampler,
     compute_probs,
-    exponential_race,
     gather_logprobs,
 )
 from minivllm.torch_utils import to_device
@@ -135,7 +135,7 @@ class RejectionSampler(nn.Module):
         accepted = self._uniforms(spec, metadata.generators, probs.device) * q < p
         race = probs.clone()
         race[spec.draft_rows] = residual
-        token_per_row = self.sampler.argmax(exponential_race(race, metadata.generators))
+        token_per_row = self.sampler.random_sample(race, metadata.generators)
         token_per_row[spec.draft_rows] = torch.where(accepted, spec.draft_token_ids, token_per_row[spec.draft_rows])
         return token_per_row, accepted
 

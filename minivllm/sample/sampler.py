@@ -4,8 +4,11 @@ Order: logprobs of the raw model distribution (what vLLM reports by default) -> 
 allowed_token_ids, bad_words -> min_tokens (EOS and stop ids banned) -> penalties ->
 temperature -> min-p -> top-k/top-p -> sample. Sampling uses the exponential race, argmax(p / q)
 with q ~ Exp(1), an exact draw from p without a device sync; seeded rows draw q from their own
-generator. Greedy rows take the argmax of the processed logits, selected per row by a mask; a
-batch that is all greedy with no processing is a single argmax.
+generator. Where the platform has a race kernel (on CPU, ops/csrc/exponential_race.cpp: torch's
+CPU exponential_ costs ~1 ms a row of a 49k vocabulary), q comes from a counter-based generator
+keyed by one seed per row, and a seeded row draws that seed from its generator. Greedy rows take
+the argmax of the processed logits, selected per row by a mask; a batch that is all greedy with
+no processing is a single argmax.
 """
 
 from __future__ import annotations
@@ -43,10 +46,14 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
-        """argmax: each row's argmax, from the device's platform (on CPU a C++ kernel)."""
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                 race_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: each row's argmax; race_kernel: (probs, one int64 seed per row) -> each row's
+        winner of an exponential race drawn from the seed, or None to race with torch's
+        exponential_. Both from the device's platform (on CPU C++ kernels)."""
         super().__init__()
         self.argmax = argmax
+        self.race_kernel = race_kernel
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_rows, vocab] float32 -> one token per row."""
@@ -76,10 +83,17 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             return self.argmax(logits)
         greedy = self.argmax(logits) if metadata.is_greedy is not None else None
-        random = self.argmax(exponential_race(compute_probs(logits, metadata), metadata.generators))
+        random = self.random_sample(compute_probs(logits, metadata), metadata.generators)
         if greedy is None:
             return random
         return torch.where(metadata.is_greedy, greedy, random)
+
+    def random_sample(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One exact draw from each row of probs [num_rows, vocab]; a seeded row's from its
+        generator, whatever else is in the batch."""
+        if self.race_kernel is not None:
+            return self.race_kernel(probs, race_seeds(probs.shape[0], generators))
+        return self.argmax(exponential_race(probs, generators))
 
 
 def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -102,6 +116,17 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     return probs.div_(q)
+
+
+def race_seeds(num_rows: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """A race kernel's seeds: one draw per row, a seeded row's from its own generator (one draw
+    per sampled step, so its tokens do not depend on the batch), the others' from torch's."""
+    seeds = torch.empty(num_rows, dtype=torch.int64)
+    if len(generators) < num_rows:
+        seeds.random_()
+    for row, generator in generators.items():
+        seeds[row].random_(generator=generator)
+    return seeds
 
 
 def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:

@@ -42,9 +42,10 @@ def one_hot_logits(tokens: list[int]) -> torch.Tensor:
     return logits
 
 
-def run(drafts: list[list[int]], logits: torch.Tensor, meta: SamplingMetadata, draft_probs=None) -> list[list[int]]:
+def run(drafts: list[list[int]], logits: torch.Tensor, meta: SamplingMetadata, draft_probs=None,
+        sampler: Sampler | None = None) -> list[list[int]]:
     spec = SpecDecodeMetadata.make(drafts, torch.device("cpu"))
-    out = RejectionSampler(Sampler())(logits, meta, spec, draft_probs).output_token_ids.tolist()
+    out = RejectionSampler(sampler or Sampler())(logits, meta, spec, draft_probs).output_token_ids.tolist()
     return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out]
 
 
@@ -96,7 +97,7 @@ def chi2(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_random_rows_follow_the_target_distribution(with_draft_probs):
+def test_random_rows_follow_the_target_distribution(with_draft_probs, sampler):
     """Many requests with the same target rows p0, p1, p2 and drafts from q0, q1 (or fixed
     tokens for one-hot drafts): the first token follows p0, the second (after an accepted first
     draft) p1, the third (both accepted) p2, and none follows the drafter's distribution."""
@@ -113,7 +114,7 @@ def test_random_rows_follow_the_target_distribution(with_draft_probs):
         drafts = torch.tensor([[int(p[0].argmax()), int(p[1].argmax())]]).repeat(num_reqs, 1)
         draft_probs = None
     logits = torch.log(p).repeat(num_reqs, 1)
-    out = run(drafts.tolist(), logits, metadata(num_reqs * (k + 1), greedy_rows=[]), draft_probs)
+    out = run(drafts.tolist(), logits, metadata(num_reqs * (k + 1), greedy_rows=[]), draft_probs, sampler)
 
     first = np.bincount([row[0] for row in out], minlength=VOCAB)
     accepted_first = [row for row, d in zip(out, drafts.tolist(), strict=True) if len(row) > 1 and row[0] == d[0]]
@@ -127,7 +128,7 @@ def test_random_rows_follow_the_target_distribution(with_draft_probs):
         assert chi2(first, q[0].numpy()) > 10 * limit
 
 
-def test_seeded_requests_repeat():
+def test_seeded_requests_repeat(sampler):
     logits = torch.randn(6, VOCAB)
     drafts = [[1, 2], [3, 4]]
 
@@ -135,7 +136,7 @@ def test_seeded_requests_repeat():
         # A request's rows share its generator.
         first, second = torch.Generator().manual_seed(7), torch.Generator().manual_seed(9)
         generators = {0: first, 1: first, 2: first, 3: second, 4: second, 5: second}
-        return run(drafts, logits, metadata(6, greedy_rows=[], generators=generators))
+        return run(drafts, logits, metadata(6, greedy_rows=[], generators=generators), sampler=sampler)
 
     results = [sample() for _ in range(3)]
     assert results[0] == results[1] == results[2]

@@ -8,7 +8,6 @@ import torch
 
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
-from minivllm.sample.sampler import Sampler
 
 VOCAB = 8
 
@@ -96,32 +95,32 @@ def test_min_p_mask(logits, min_p):
     np.testing.assert_array_equal(np.isfinite(out), expected)
 
 
-def test_greedy_rows_take_argmax(logits):
+def test_greedy_rows_take_argmax(logits, sampler):
     md = metadata(16, temperature=5.0, greedy_rows=range(0, 16, 2))
-    sampled = Sampler()(logits, md).sampled_token_ids
+    sampled = sampler(logits, md).sampled_token_ids
     np.testing.assert_array_equal(sampled[::2].numpy(), logits[::2].argmax(-1).numpy())
-    all_greedy = Sampler()(logits, metadata(16, greedy_rows=range(16))).sampled_token_ids
+    all_greedy = sampler(logits, metadata(16, greedy_rows=range(16))).sampled_token_ids
     np.testing.assert_array_equal(all_greedy.numpy(), logits.argmax(-1).numpy())
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_sampled_frequencies_match_softmax(temperature):
+def test_sampled_frequencies_match_softmax(temperature, sampler):
     """20k draws of one fixed distribution: empirical frequencies within 4 sigma of softmax(l/T)."""
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2, 1.5])
     n = 20000
     torch.manual_seed(0)
-    sampled = Sampler()(base.expand(n, VOCAB).clone(), metadata(n, temperature=temperature)).sampled_token_ids
+    sampled = sampler(base.expand(n, VOCAB).clone(), metadata(n, temperature=temperature)).sampled_token_ids
     freq = np.bincount(sampled.numpy(), minlength=VOCAB) / n
     expected = softmax_np(base.numpy() / temperature)
     sigma = np.sqrt(expected * (1 - expected) / n)
     assert np.all(np.abs(freq - expected) <= 4 * sigma + 1e-4), (freq, expected)
 
 
-def test_top_p_never_samples_outside_nucleus():
+def test_top_p_never_samples_outside_nucleus(sampler):
     base = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -1.0, -2.0, -5.0])
     n = 20000
     torch.manual_seed(1)
-    sampled = Sampler()(base.expand(n, VOCAB).clone(), metadata(n, top_p=0.8)).sampled_token_ids
+    sampled = sampler(base.expand(n, VOCAB).clone(), metadata(n, top_p=0.8)).sampled_token_ids
     nucleus = kept_np_top_p(base.numpy(), 0.8)
     assert set(sampled.unique().tolist()) == nucleus
     # Inside the nucleus the probabilities are renormalised.
@@ -132,13 +131,13 @@ def test_top_p_never_samples_outside_nucleus():
     np.testing.assert_allclose(freq, expected, atol=0.015)
 
 
-def test_seeded_rows_reproducible_whatever_the_batch(logits):
+def test_seeded_rows_reproducible_whatever_the_batch(logits, sampler):
     def draw(rows: int, seeded_row: int) -> list[int]:
         g = torch.Generator().manual_seed(1234)
         md = metadata(rows, generators={seeded_row: g})
         batch = logits[:rows].clone()
         batch[seeded_row] = logits[0]
-        return [int(Sampler()(batch.clone(), md).sampled_token_ids[seeded_row]) for _ in range(20)]
+        return [int(sampler(batch.clone(), md).sampled_token_ids[seeded_row]) for _ in range(20)]
 
     alone = draw(1, 0)
     assert draw(16, 5) == alone
@@ -146,9 +145,9 @@ def test_seeded_rows_reproducible_whatever_the_batch(logits):
     assert len(set(alone)) > 1  # it is a real random sequence, not a constant
 
 
-def test_logprobs_are_raw_log_softmax(logits):
+def test_logprobs_are_raw_log_softmax(logits, sampler):
     md = metadata(16, temperature=0.7, top_k=3, logprobs=4)
-    out = Sampler()(logits, md)
+    out = sampler(logits, md)
     ref = torch.log_softmax(logits, dim=-1)
     t = out.logprobs_tensors
     assert t.logprob_token_ids.shape == (16, 5)

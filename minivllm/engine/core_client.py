@@ -3,7 +3,7 @@
 - InprocClient: the EngineCore lives in this process and `get_output` runs one step (tests,
   debugging; `MINIVLLM_ENABLE_MULTIPROCESSING=0` for LLM).
 - SyncMPClient (for LLM) and AsyncMPClient (for AsyncLLM): the engine core runs in a fresh
-  interpreter (`python -m minivllm.engine.launch`, spawn semantics; or, for AsyncLLM in debug
+  interpreter (minivllm.engine.launch's main, spawn semantics; or, for AsyncLLM in debug
   mode, a thread), behind two ZMQ PUSH/PULL
   sockets over ipc:// in a private temporary directory. The front end binds both; the engine
   connects. A monitor thread watches the engine and, if it dies, pushes ENGINE_CORE_DEAD into
@@ -362,11 +362,18 @@ def start_engine_interpreter(hf_config: bool = False) -> subprocess.Popen[bytes]
     threads, sockets or CUDA state, is inherited; the package is found where this process found
     it). It imports the model code at once (and, with hf_config, transformers' config classes),
     then waits on stdin for its addresses and config, so a caller may start it before the config
-    exists and overlap the two."""
+    exists and overlap the two.
+
+    NOTE: not `python -m minivllm.engine.launch`: -m puts the working directory first on
+    sys.path, ahead of PYTHONPATH, so run from another checkout of minivllm the engine would run
+    that checkout's code under this front end. The package root goes first instead; the working
+    directory stays importable after it (a user's module named in the config)."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(minivllm.__file__)))
+    # For the processes the engine starts in turn (executor workers).
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "minivllm.engine.launch", *(["--hf-config"] if hf_config else [])]
+    bootstrap = f"import sys; sys.path.insert(0, {package_root!r}); from minivllm.engine.launch import main; main()"
+    command = [sys.executable, "-c", bootstrap, *(["--hf-config"] if hf_config else [])]
     return subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
 
 

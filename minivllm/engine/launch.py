@@ -1,4 +1,5 @@
-"""`python -m minivllm.engine.launch [--hf-config]`: the engine process's main.
+"""The engine process's main (`main`, with `--hf-config` in argv or not), run by
+engine/core_client.py: start_engine_interpreter.
 
 The front end starts the engine core as a fresh interpreter (spawn semantics, but without
 multiprocessing's re-import of the user's main module, so scripts need no `__main__` guard),
@@ -35,6 +36,3 @@ def main() -> None:
     sys.stderr.flush()
     os._exit(0)
 
-
-if __name__ == "__main__":
-    main()

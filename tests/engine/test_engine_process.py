@@ -285,6 +285,19 @@ def test_config_error_ends_the_prestarted_engine_interpreter(model, make_llm, mo
     assert started[0].poll() is not None
 
 
+def test_engine_interpreter_runs_the_front_ends_package_from_any_directory(tmp_path, monkeypatch):
+    """Started from a directory holding another `minivllm` (a second checkout), the engine's
+    interpreter still imports this one. With `python -m`, the working directory came first on
+    sys.path: the other package ran."""
+    fake = tmp_path / "minivllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise SystemExit(17)\n")
+    monkeypatch.chdir(tmp_path)
+    process = core_client.start_engine_interpreter()
+    process.stdin.close()  # no config: a real engine's interpreter exits cleanly
+    assert process.wait(timeout=60) == 0
+
+
 def test_in_thread_engine_for_debugging(model, monkeypatch):
     monkeypatch.setenv("MINIVLLM_ENABLE_MULTIPROCESSING", "0")
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, dtype="float32"))

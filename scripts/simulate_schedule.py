@@ -3,8 +3,9 @@ TTFT, TPOT and ITL with the machine's noise taken out. Poisson arrivals (all at 
 prompts uniform in [min, max] tokens, every request `--output-len` tokens, and optionally the
 burst of `bench serve` (`--burst-num-prompts` prompts at `--burst-delay` s); each step takes
 a + b x tokens + c x requests + d x attention pairs seconds (StepCostModel's features; a
-least-squares fit of a real run's step times gives the weights) times a log-normal factor of
-sigma; percentiles as `bench serve` takes them (numpy's). Each setting runs the same arrivals
+least-squares fit of a real run's step times gives the weights), plus e for a step with prompt
+tokens (it runs eagerly on the dense weights where a decode-only step replays the trace on the
+codes), times a log-normal factor of sigma; percentiles as `bench serve` takes them (numpy's). Each setting runs the same arrivals
 and noise per seed. Run from the repository root (docs/PERFORMANCE.md, "Serving under load"):
 
     .venv/bin/python scripts/simulate_schedule.py --request-rate 0.9 --a 0.03 --b 0.0012 --c 0.002
@@ -55,8 +56,11 @@ def run(args: argparse.Namespace, max_step_ms: float | None, seed: int) -> dict[
             arrived[req_id] = at
             next_arrival += 1
         output = scheduler.schedule()
-        features = scheduler.last_step_shape.features()
-        seconds = sum(w * f for w, f in zip(weights, features, strict=True)) * math.exp(noise.gauss(0.0, args.sigma))
+        shape = scheduler.last_step_shape
+        seconds = sum(w * f for w, f in zip(weights, shape.features(), strict=True))
+        if shape.num_tokens > shape.num_reqs:  # some request computes more than one token: a prompt
+            seconds += args.e
+        seconds *= math.exp(noise.gauss(0.0, args.sigma))
         req_ids = list(output.num_scheduled_tokens)
         sampled = [[1000] if (r := scheduler.requests[i]).num_computed_tokens >= r.num_tokens else [] for i in req_ids]
         clock += seconds
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--b", type=float, default=0.0006, help="seconds per token")
     parser.add_argument("--c", type=float, default=0.0003, help="seconds per request")
     parser.add_argument("--d", type=float, default=6e-7, help="seconds per attention pair")
+    parser.add_argument("--e", type=float, default=0.0, help="seconds more for a step with prompt tokens")
     parser.add_argument("--sigma", type=float, default=0.08, help="log-normal noise of each step's time")
     parser.add_argument("--max-step-ms", default="0,250", help="settings to compare (0: off)")
     parser.add_argument("--sustained-fraction", type=float, default=StepBudget.SUSTAINED_FRACTION,

@@ -61,6 +61,13 @@ class Platform(ABC):
         where torch's exponential_ is fast enough (the sampler then races with it)."""
         return None
 
+    def top_k_top_p_kernel(self) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                                             torch.Tensor] | None:
+        """(logits [rows, vocab] float32, top_k [rows] int64 or None, top_p [rows] float32 or
+        None) -> the logits with every token outside each row's top-k and then top-p at -inf;
+        None where the sampler's sorting path is fast enough."""
+        return None
+
     @abstractmethod
     def kv_cache_memory_bytes(self, cache_config: CacheConfig, profile_run: Callable[[], None]) -> int:
         """Bytes the KV cache may take on this device (kv_cache_memory_bytes, when set, wins);

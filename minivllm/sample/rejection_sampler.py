@@ -34,7 +34,6 @@ from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.sampler import (
     LogprobsTensors,
     Sampler,
-    compute_probs,
     gather_logprobs,
 )
 from minivllm.torch_utils import to_device
@@ -105,7 +104,7 @@ class RejectionSampler(nn.Module):
         if metadata.all_greedy:
             token_per_row, accepted = greedy_tokens, greedy_accepted
         else:
-            token_per_row, accepted = self._verify_random(compute_probs(logits, metadata), metadata, spec, draft_probs)
+            token_per_row, accepted = self._verify_random(self.sampler.compute_probs(logits, metadata), metadata, spec, draft_probs)
             if metadata.is_greedy is not None:
                 token_per_row = torch.where(metadata.is_greedy, greedy_tokens, token_per_row)
                 accepted = torch.where(metadata.is_greedy[spec.draft_rows], greedy_accepted, accepted)

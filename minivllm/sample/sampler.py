@@ -6,7 +6,9 @@ temperature -> min-p -> top-k/top-p -> sample. Sampling uses the exponential rac
 with q ~ Exp(1), an exact draw from p without a device sync; seeded rows draw q from their own
 generator. Where the platform has a race kernel (on CPU, ops/csrc/exponential_race.cpp: torch's
 CPU exponential_ costs ~1 ms a row of a 49k vocabulary), q comes from a counter-based generator
-keyed by one seed per row, and a seeded row draws that seed from its generator. Greedy rows take
+keyed by one seed per row, and a seeded row draws that seed from its generator. Likewise top-k and
+top-p take the platform's truncation kernel where it has one (on CPU ops/csrc/top_k_top_p.cpp:
+torch's path sorts every row, ~4 ms a row). Greedy rows take
 the argmax of the processed logits, selected per row by a mask; a batch that is all greedy with
 no processing is a single argmax.
 """
@@ -23,7 +25,7 @@ from minivllm.core.outputs import LogprobsArrays
 from minivllm.sample.logits_processors import apply_logits_edits
 from minivllm.sample.metadata import SamplingMetadata
 from minivllm.sample.ops.penalties import apply_penalties
-from minivllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from minivllm.sample.ops.topk_topp import TopKTopP, apply_min_p, apply_top_k_top_p
 
 
 class LogprobsTensors(NamedTuple):
@@ -47,13 +49,16 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 class Sampler(nn.Module):
     def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
-                 race_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 race_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 top_k_top_p: TopKTopP | None = None) -> None:
         """argmax: each row's argmax; race_kernel: (probs, one int64 seed per row) -> each row's
         winner of an exponential race drawn from the seed, or None to race with torch's
-        exponential_. Both from the device's platform (on CPU C++ kernels)."""
+        exponential_; top_k_top_p: a truncation kernel (apply_top_k_top_p's contract), or None
+        for apply_top_k_top_p's sort. All from the device's platform (on CPU C++ kernels)."""
         super().__init__()
         self.argmax = argmax
         self.race_kernel = race_kernel
+        self.top_k_top_p = top_k_top_p or apply_top_k_top_p
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [num_rows, vocab] float32 -> one token per row."""
@@ -83,10 +88,21 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             return self.argmax(logits)
         greedy = self.argmax(logits) if metadata.is_greedy is not None else None
-        random = self.random_sample(compute_probs(logits, metadata), metadata.generators)
+        random = self.random_sample(self.compute_probs(logits, metadata), metadata.generators)
         if greedy is None:
             return random
         return torch.where(metadata.is_greedy, greedy, random)
+
+    def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, then min-p, top-k and top-p
+        (greedy rows are computed at temperature 1 and ignored by the caller)."""
+        assert metadata.temperature is not None
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        return logits.softmax(dim=-1)
 
     def random_sample(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         """One exact draw from each row of probs [num_rows, vocab]; a seeded row's from its
@@ -96,16 +112,6 @@ class Sampler(nn.Module):
         return self.argmax(exponential_race(probs, generators))
 
 
-def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The distribution a random row samples from: temperature, then min-p, top-k and top-p
-    (greedy rows are computed at temperature 1 and ignored by the caller)."""
-    assert metadata.temperature is not None
-    logits = logits / metadata.temperature.unsqueeze(1)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
-    if metadata.top_k is not None or metadata.top_p is not None:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    return logits.softmax(dim=-1)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -81,7 +81,7 @@ class ModelRunner:
         window = next((w for w in get_sliding_windows(self.model_config.hf_config) if w is not None), None)
         self.attn_backend: AttentionBackend = get_attn_backend(
             platform, self.dtype, self.model_config.get_head_size(), window)
-        self.sampler = Sampler(platform.argmax, platform.exponential_race_kernel())
+        self.sampler = Sampler(platform.argmax, platform.exponential_race_kernel(), platform.top_k_top_p_kernel())
         spec_config = vllm_config.speculative_config
         self.num_spec_tokens = spec_config.num_speculative_tokens if spec_config else 0
         self.rejection_sampler = RejectionSampler(self.sampler) if spec_config else None

@@ -1,5 +1,5 @@
 """The sampler both ways: torch's ops, and the CPU platform's kernels (ops/csrc/argmax.cpp,
-exponential_race.cpp), so every sampling test checks both."""
+exponential_race.cpp, top_k_top_p.cpp), so every sampling test checks both."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from minivllm.sample.sampler import Sampler
 
 @pytest.fixture(params=["torch", "cpu kernels"])
 def sampler(request) -> Sampler:
-    """The sampler with torch's argmax and exponential_, and with the CPU platform's kernels."""
+    """The sampler with torch's argmax, exponential_ and sort, and with the CPU platform's kernels."""
     if request.param == "torch":
         return Sampler()
     request.getfixturevalue("cpu_kernels")
     platform = get_platform("cpu")
-    return Sampler(platform.argmax, platform.exponential_race_kernel())
+    return Sampler(platform.argmax, platform.exponential_race_kernel(), platform.top_k_top_p_kernel())

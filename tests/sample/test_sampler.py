@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minivllm.sample.metadata import SamplingMetadata
-from minivllm.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from minivllm.sample.ops.topk_topp import apply_min_p
 
 VOCAB = 8
 
@@ -63,8 +63,8 @@ def kept_np_top_p(row: np.ndarray, p: float) -> set[int]:
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, VOCAB])
-def test_top_k_mask(logits, k):
-    out = apply_top_k_top_p(logits, torch.full((16,), k), None)
+def test_top_k_mask(logits, k, sampler):
+    out = sampler.top_k_top_p(logits, torch.full((16,), k), None)
     for row_in, row_out in zip(logits.numpy(), out.numpy(), strict=True):
         assert {i for i in range(VOCAB) if np.isfinite(row_out[i])} == kept_np_top_k(row_in, k)
         finite = np.isfinite(row_out)
@@ -72,16 +72,16 @@ def test_top_k_mask(logits, k):
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.999])
-def test_top_p_mask(logits, p):
-    out = apply_top_k_top_p(logits, None, torch.full((16,), p))
+def test_top_p_mask(logits, p, sampler):
+    out = sampler.top_k_top_p(logits, None, torch.full((16,), p))
     for row_in, row_out in zip(logits.numpy(), out.numpy(), strict=True):
         assert {i for i in range(VOCAB) if np.isfinite(row_out[i])} == kept_np_top_p(row_in, p)
 
 
-def test_top_k_then_top_p_per_row(logits):
+def test_top_k_then_top_p_per_row(logits, sampler):
     top_k = torch.tensor([2, 1 << 62] * 8)
     top_p = torch.tensor([1.0, 0.6] * 8)
-    out = apply_top_k_top_p(logits, top_k, top_p).numpy()
+    out = sampler.top_k_top_p(logits, top_k, top_p).numpy()
     for i, row in enumerate(logits.numpy()):
         kept = {j for j in range(VOCAB) if np.isfinite(out[i, j])}
         assert kept == (kept_np_top_k(row, 2) if i % 2 == 0 else kept_np_top_p(row, 0.6))

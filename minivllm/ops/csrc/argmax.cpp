@@ -9,7 +9,6 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cmath>
 
 #include "row_argmax.h"
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# (logits [rows, vocab] float32, top_k [rows] int64 or None, top_p [rows] float32 or None) ->
+# the logits with every token outside each row's top-k and then top-p set to -inf.
+TopKTopP = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Read /v1/engine/events during the run, as an open dashboard does (the engine "
                              "collects events only while someone watches): to measure what watching costs.")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None, help="Sent with every request when given.")
+    parser.add_argument("--top-k", type=int, default=None, help="Sent with every request when given.")
     parser.add_argument("--goodput", nargs="+", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:3000.")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,13 +101,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
+def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling parameters every request carries: temperature, and top_p / top_k if given."""
+    fields: dict[str, Any] = {"temperature": args.temperature}
+    fields.update({name: value for name, value in (("top_p", args.top_p), ("top_k", args.top_k)) if value is not None})
+    return fields
+
+
 async def send_request(session: Any, url: str, endpoint: str, model: str, sample: SampleRequest,
-                       temperature: float, headers: dict[str, str]) -> RequestTrace:
+                       sampling: dict[str, Any], headers: dict[str, str]) -> RequestTrace:
     """One streaming request; the arrival time of every chunk with choices is recorded."""
     import aiohttp
 
     payload: dict[str, Any] = {
-        "model": model, "max_tokens": sample.expected_output_len, "temperature": temperature, "stream": True,
+        "model": model, "max_tokens": sample.expected_output_len, **sampling, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True,
     }
     if sample.structured_outputs is not None:
@@ -239,7 +248,7 @@ async def run(args: argparse.Namespace, url: str, model: str, requests: list[Sam
 
         async def one(sample: SampleRequest) -> RequestTrace:
             async with limit:
-                trace = await send_request(session, url, args.endpoint, model, sample, args.temperature, headers)
+                trace = await send_request(session, url, args.endpoint, model, sample, sampling_fields(args), headers)
             bar.update(1)
             return trace
 

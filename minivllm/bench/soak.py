@@ -101,7 +101,7 @@ async def client(session: Any, url: str, model: str, samples: itertools.cycle, d
     traces = []
     while time.perf_counter() < deadline:
         sample: SampleRequest = next(samples)
-        traces.append(await send_request(session, url, "/v1/completions", model, sample, 1.0, headers))
+        traces.append(await send_request(session, url, "/v1/completions", model, sample, {"temperature": 1.0}, headers))
     return traces
 
 

@@ -205,10 +205,10 @@ def test_serve_burst_of_long_prompts_and_the_engine_steps(server, tmp_path, monk
 def test_serve_structured_output_against_free_requests(server, tmp_path):
     """--structured-output choice on every other request: those replies are one of the choices
     (checked here, not by the bench), the others run free to their length, and the report
-    gives both groups' TPOT."""
+    gives both groups' TPOT. Sampled with top-p and top-k: the server takes the bench's fields."""
     result = bench(server, tmp_path / "so.json", "--endpoint", "/v1/chat/completions", "--num-prompts", "6",
                    "--random-input-len", "16", "--random-output-len", "12", "--structured-output", "choice",
-                   "--structured-output-ratio", "0.5", "--temperature", "1.0")
+                   "--structured-output-ratio", "0.5", "--temperature", "1.0", "--top-p", "0.9", "--top-k", "20")
     assert result["completed"] == 6 and result["constrained_requests"] == result["free_requests"] == 3
     assert result["constrained_valid"] == 3
     assert result["output_lens"][0::2] == [12] * 3  # the free ones (requests 1, 3, 5 are constrained)

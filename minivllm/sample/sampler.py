@@ -6,11 +6,11 @@ temperature -> min-p -> top-k/top-p -> sample. Sampling uses the exponential rac
 with q ~ Exp(1), an exact draw from p without a device sync; seeded rows draw q from their own
 generator. Where the platform has a race kernel (on CPU, ops/csrc/exponential_race.cpp: torch's
 CPU exponential_ costs ~1 ms a row of a 49k vocabulary), q comes from a counter-based generator
-keyed by one seed per row, and a seeded row draws that seed from its generator. Likewise top-k and
-top-p take the platform's truncation kernel where it has one (on CPU ops/csrc/top_k_top_p.cpp:
-torch's path sorts every row, ~4 ms a row). Greedy rows take
-the argmax of the processed logits, selected per row by a mask; a batch that is all greedy with
-no processing is a single argmax.
+keyed by one seed per row, and a seeded row draws that seed from its generator. Likewise top-k
+and top-p use the platform's truncation kernel where it has one (on CPU,
+ops/csrc/top_k_top_p.cpp: torch's path sorts every row, ~4 ms a row). Greedy rows take the argmax
+of the processed logits, selected per row by a mask; a batch that is all greedy with no
+processing is a single argmax.
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ class Sampler(nn.Module):
         if self.race_kernel is not None:
             return self.race_kernel(probs, race_seeds(probs.shape[0], generators))
         return self.argmax(exponential_race(probs, generators))
-
-
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

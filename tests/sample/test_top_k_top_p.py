@@ -87,7 +87,7 @@ def test_masked_tokens_nan_rows_and_inputs_left_alone():
     np.testing.assert_array_equal(kept(out[0]), numpy_top_p(np.where(numpy_top_k(logits[0].numpy(), 10),
                                                                      logits[0].numpy(), -np.inf), 0.7))
     assert kept(out[1]).nonzero()[0].tolist() == [7]
-    assert torch.isnan(out[2, 100])  # top-p has no order to go by in a NaN row: it leaves it
+    assert torch.isnan(out[2, 100])  # top-p leaves a row with a NaN logit as it is, as the sort does
 
 
 def test_strided_logits_are_read_as_values():

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <utility>
@@ -32,7 +33,8 @@ constexpr float kBucketWidth = 0.5f;  // nats of logit per bucket
 constexpr int kBuckets = 64;          // the last one takes everything 31.5 nats or more below
 
 struct Scratch {
-  std::vector<float> values;                 // a copy for the selection, then exp(logit - max)
+  std::vector<float> values;                    // a copy for the selection, then exp(logit - max)
+  std::vector<uint8_t> buckets;                 // each token's bucket
   std::vector<std::pair<float, int64_t>> edge;  // the edge bucket's (probability, token)
 };
 
@@ -45,23 +47,26 @@ void keep_top_k(float* logits, int64_t n, int64_t k, Scratch& s) {
 }
 
 void keep_top_p(float* logits, int64_t n, float p, Scratch& s) {
-  float max = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) max = std::max(max, logits[i]);
-  if (!std::isfinite(max)) return;  // every token masked, or a NaN: nothing to rank by
-  s.values.resize(n);
-  float* e = s.values.data();
   constexpr int64_t W = Vec::size();
   const int64_t body = n / W * W;
+  // at::vec::maximum propagates NaN: a row with a NaN logit is left as it is, as the sort leaves it.
+  Vec vmax(-INFINITY);
+  for (int64_t i = 0; i < body; i += W) vmax = at::vec::maximum(vmax, Vec::loadu(logits + i));
+  float max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (int64_t i = body; i < n; ++i) max = std::isnan(logits[i]) || logits[i] > max ? logits[i] : max;
+  if (!std::isfinite(max)) return;  // every token masked, an infinite logit or a NaN
+  s.values.resize(n);
+  s.buckets.resize(n);
+  float* e = s.values.data();
+  uint8_t* bucket = s.buckets.data();
   for (int64_t i = 0; i < body; i += W) (Vec::loadu(logits + i) - Vec(max)).exp().store(e + i);
   for (int64_t i = body; i < n; ++i) e[i] = std::exp(logits[i] - max);
   double mass[kBuckets] = {};
   double total = 0.0;
-  auto bucket_of = [&](int64_t i) {
-    return static_cast<int>(std::min((max - logits[i]) / kBucketWidth, static_cast<float>(kBuckets - 1)));
-  };
   for (int64_t i = 0; i < n; ++i) {
+    bucket[i] = static_cast<uint8_t>(std::min((max - logits[i]) * (1.0f / kBucketWidth), kBuckets - 1.0f));
     if (e[i] > 0.0f) {
-      mass[bucket_of(i)] += e[i];
+      mass[bucket[i]] += e[i];
       total += e[i];
     }
   }
@@ -72,7 +77,7 @@ void keep_top_p(float* logits, int64_t n, float p, Scratch& s) {
   if (edge == kBuckets) return;  // rounding kept the sum under p x total: keep every token
   s.edge.clear();
   for (int64_t i = 0; i < n; ++i)
-    if (e[i] > 0.0f && bucket_of(i) == edge) s.edge.emplace_back(e[i], i);
+    if (bucket[i] == edge && e[i] > 0.0f) s.edge.emplace_back(e[i], i);
   std::sort(s.edge.begin(), s.edge.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   float least = s.edge.back().first;  // the nucleus's least likely token
   for (const auto& [prob, token] : s.edge) {
@@ -82,7 +87,12 @@ void keep_top_p(float* logits, int64_t n, float p, Scratch& s) {
       break;
     }
   }
-  for (int64_t i = 0; i < n; ++i)
+  const Vec dropped(-INFINITY), bound(least);
+  for (int64_t i = 0; i < body; i += W) {
+    const Vec l = Vec::loadu(logits + i);
+    Vec::blendv(l, dropped, Vec::loadu(e + i) < bound).store(logits + i);
+  }
+  for (int64_t i = body; i < n; ++i)
     if (e[i] < least) logits[i] = -INFINITY;
 }
 

@@ -104,7 +104,8 @@ class RejectionSampler(nn.Module):
         if metadata.all_greedy:
             token_per_row, accepted = greedy_tokens, greedy_accepted
         else:
-            token_per_row, accepted = self._verify_random(self.sampler.compute_probs(logits, metadata), metadata, spec, draft_probs)
+            probs = self.sampler.compute_probs(logits, metadata)
+            token_per_row, accepted = self._verify_random(probs, metadata, spec, draft_probs)
             if metadata.is_greedy is not None:
                 token_per_row = torch.where(metadata.is_greedy, greedy_tokens, token_per_row)
                 accepted = torch.where(metadata.is_greedy[spec.draft_rows], greedy_accepted, accepted)

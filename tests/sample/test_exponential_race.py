@@ -23,13 +23,31 @@ def race(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
 
 
 def splitmix64_uniforms(seed: int, n: int) -> np.ndarray:
-    """The first n outputs of SplitMix64 from state `seed`, as u = (top 24 bits + 0.5) / 2^24."""
+    """The first n outputs of SplitMix64 from state `seed`, as u = (top 23 bits + 0.5) / 2^23 in
+    float32, the kernel's arithmetic: every u is strictly between 0 and 1."""
     with np.errstate(over="ignore"):
         z = (np.uint64(seed & MASK64) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GAMMA))
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return ((z >> np.uint64(40)).astype(np.float64) + 0.5) / 2.0**24
+    u = ((z >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    assert 0 < u.min() and u.max() < 1
+    return u.astype(np.float64)
+
+
+def test_the_largest_draw_does_not_make_a_zero_probability_win():
+    """A seed whose first draw has all top 24 bits set (found by search): with 24-bit uniforms
+    its u rounded to 1, E to 0, and token 0, of probability 0, won with 0 / 0 = NaN."""
+    with np.errstate(over="ignore"):
+        for start in range(0, 1 << 27, 1 << 22):
+            z = np.arange(start, start + (1 << 22), dtype=np.uint64) + np.uint64(GAMMA)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            hits = np.flatnonzero((z ^ (z >> np.uint64(31))) >> np.uint64(40) == (1 << 24) - 1)
+            if hits.size:
+                break
+    seed = start + int(hits[0])
+    assert race(torch.tensor([[0.0, 1.0]]), torch.tensor([seed])).tolist() == [1]
 
 
 def chi2_critical(df: int) -> float:

@@ -2,8 +2,9 @@
 // exact draw from each row's distribution p. torch's CPU exponential_ fills q on one thread at
 // ~20 ns a value: ~1 ms a row of a 49k vocabulary, as much as the rest of a decode row costs.
 // Here each E_i comes from a counter-based generator, so a row needs one seed and no state: the
-// i-th output of SplitMix64 started at the row's seed, its top 24 bits a uniform
-// u = (k + 0.5) / 2^24 (never 0 or 1), E = -log(u). The draws are made, raced and reduced a block
+// i-th output of SplitMix64 started at the row's seed, its top 23 bits a uniform
+// u = (k + 0.5) / 2^23, exact in float32 and never 0 or 1 (with 24 bits, k + 0.5 rounds and the
+// top code gave u = 1, E = 0, and a zero-probability token won with 0 / 0), E = -log(u). The draws are made, raced and reduced a block
 // at a time in vector registers; q is never written. The race's winner is the argmax of the
 // ratios with torch.argmax's contract (row_argmax.h): a NaN probability wins, as it would in
 // argmax(p / q).
@@ -36,7 +37,7 @@ inline uint64_t splitmix64(uint64_t z) {
 void race_block(const float* p, uint64_t seed, int64_t start, int64_t len, float* out) {
   for (int64_t j = 0; j < len; ++j) {  // vectorised by the compiler (64-bit lanes)
     const uint64_t z = splitmix64(seed + static_cast<uint64_t>(start + j + 1) * kGamma);
-    out[j] = (static_cast<float>(z >> 40) + 0.5f) * 0x1p-24f;
+    out[j] = (static_cast<float>(z >> 41) + 0.5f) * 0x1p-23f;
   }
   constexpr int64_t W = Vec::size();
   const int64_t body = len / W * W;

@@ -16,19 +16,28 @@ def test_higher_priority_overtakes_in_the_queue(tiny_llama_dir):
         finished: list[str] = []
 
         def send(name: str, route: str, body: dict) -> None:
-            response = server.post(route, {"model": MODEL_NAME, "max_tokens": 50, "ignore_eos": True, **body})
+            response = server.post(route, {"model": MODEL_NAME, "max_tokens": 200, "ignore_eos": True, **body})
             assert response.status_code == 200, response.text
             finished.append(name)
 
-        # The one seat is taken by a long request (1000 tokens: seconds even for the tiny model,
-        # so the queue is still full when counted); four more wait behind it, each sent with a
-        # better (lower) priority than the one before, on alternating routes. Each runs 50 steps
-        # (tenths of a second), so one response cannot overtake another on its way to its
-        # thread: the order they finish in is the order they ran in.
-        blocker = threading.Thread(target=send, args=("blocker", "v1/completions",
-                                                      {"prompt": "Hello", "max_tokens": 1000}))
+        # The one seat is taken by a long request (1000 tokens, ~1 s or more for the tiny model);
+        # the others are sent as soon as its first token streams back (a metrics poll could see
+        # it running too late: once its queue was counted it had finished). Four wait behind it,
+        # each sent with a better (lower) priority than the one before, on alternating routes.
+        # Each runs 200 steps (tenths of a second), so one response cannot overtake another on its
+        # way to its thread: the order they finish in is the order they ran in.
+        first_token = threading.Event()
+
+        def block() -> None:
+            stream = server.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=1000,
+                                                        stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                first_token.set()
+            finished.append("blocker")
+
+        blocker = threading.Thread(target=block)
         blocker.start()
-        assert wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 1, 30.0)
+        assert first_token.wait(30.0)
         chat = {"messages": [{"role": "user", "content": "Hi"}]}
         waiting = [
             threading.Thread(target=send, args=("A", "v1/completions", {"prompt": "Hey", "priority": 3})),
@@ -38,7 +47,7 @@ def test_higher_priority_overtakes_in_the_queue(tiny_llama_dir):
         ]
         for thread in waiting:
             thread.start()
-            time.sleep(0.05)
+            time.sleep(0.01)
         assert wait_for(lambda: server.metrics()["vllm:num_requests_waiting"] == 4, 30.0)
         for thread in [blocker, *waiting]:
             thread.join(timeout=120)

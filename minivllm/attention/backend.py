@@ -72,6 +72,7 @@ class GraphSupport(enum.IntEnum):
 
     NEVER = 0
     UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request has exactly one query token
+    ALWAYS = 2  # any step, prompts and decodes mixed: the forward takes the same calls for all
 
 
 def head_major_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -9,8 +9,9 @@ passes its window, and both kernels then read only the keys inside it. The new K
 the cache first, by one copy per token and head.
 
 Same cache layout as the reference backend (backend.py: head_major_kv_cache_shape), so both read
-each other's caches and tests can compare them on one cache. Its decode-only steps are tensors of
-fixed structure, so a recorded forward can replay them (worker/decode_graph.py).
+each other's caches and tests can compare them on one cache. Every step's metadata is tensors of
+one fixed structure and both kernels run every step (one with no rows returns at once), so a
+recorded forward can replay any step (worker/step_traces.py: GraphSupport.ALWAYS).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class CpuPagedMetadata:
 
 class CpuPagedAttentionBackend(AttentionBackend):
     name = "CPU_PAGED"
-    graph_support = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    graph_support = GraphSupport.ALWAYS
     supports_sliding_window = True
     get_kv_cache_shape = staticmethod(head_major_kv_cache_shape)
 
@@ -106,15 +107,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
         ops = torch.ops.minivllm_cpu
         ops.reshape_and_cache(key, value, kv_cache, md.slot_mapping)
         output = torch.empty_like(query)  # every row is written by one of the two calls
-        if len(md.decodes):
-            d = md.decodes
-            ops.paged_decode_attention(
-                output, query, kv_cache, d.token_starts, d.block_tables, d.seq_lens, scale, sliding_window or 0
-            )
-        if len(md.prefills):
-            p = md.prefills
-            ops.paged_prefill_attention(
-                output, query, kv_cache, p.token_starts, p.query_lens, p.seq_lens, p.block_tables, scale,
-                sliding_window or 0,
-            )
+        # NOTE: both calls, whatever the step holds: a trace records the calls of the step it
+        # was recorded on and replays them for every step of its kind.
+        d, p = md.decodes, md.prefills
+        ops.paged_decode_attention(
+            output, query, kv_cache, d.token_starts, d.block_tables, d.seq_lens, scale, sliding_window or 0
+        )
+        ops.paged_prefill_attention(
+            output, query, kv_cache, p.token_starts, p.query_lens, p.seq_lens, p.block_tables, scale,
+            sliding_window or 0,
+        )
         return output

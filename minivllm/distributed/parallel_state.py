@@ -34,7 +34,7 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x
-        if torch.jit.is_tracing():  # a decode trace records the op and calls it when replayed
+        if torch.jit.is_tracing():  # a trace records the op and calls it when replayed
             return torch.ops.minivllm_dist.tp_all_reduce(x)
         return self.all_reduce_eager(x)
 
@@ -63,8 +63,8 @@ class GroupCoordinator:
 
 @torch.library.custom_op("minivllm_dist::tp_all_reduce", mutates_args=())
 def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The TP group's all-reduce as an op, so that a TorchScript trace of the decode forward
-    (worker/decode_graph.py) records it: the trace keeps ops, not Python calls."""
+    """The TP group's all-reduce as an op, so that a TorchScript trace of the forward
+    (worker/step_traces.py) records it: the trace keeps ops, not Python calls."""
     return _TP.all_reduce_eager(x)
 
 

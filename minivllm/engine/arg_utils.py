@@ -79,8 +79,8 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = CacheConfig.disable_hybrid_kv_cache_manager
     """Keep every block of sliding-window layers, as full attention does (one KV cache group)."""
     enforce_eager: bool = ModelConfig.enforce_eager
-    """Run every step eagerly: no decode steps replayed from a recording (on CPU a trace,
-    worker/decode_graph.py; on CUDA, CUDA graphs, worker/cuda_graph.py)."""
+    """Run every step eagerly: no step replayed from a recording (on CPU traces of every kind of
+    step, worker/step_traces.py; on CUDA, CUDA graphs of decode steps, worker/cuda_graph.py)."""
     cudagraph_capture_sizes: list[int] | None = None
     """On CUDA: the decode batch sizes recorded as CUDA graphs at start-up (a decode step of n
     requests replays the smallest size >= n, padded; larger steps and steps with prompt tokens

@@ -54,7 +54,7 @@ class CpuPlatform(Platform):
         return ["CPU_PAGED", "TORCH_REF"]
 
     def graph_runner_qualname(self) -> str | None:
-        return "minivllm.worker.decode_graph.DecodeGraph"
+        return "minivllm.worker.step_traces.StepTraces"
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """minivllm's kernel (ops/csrc/argmax.cpp) for float32 rows: torch's CPU argmax reduces

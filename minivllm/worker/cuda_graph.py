@@ -99,8 +99,10 @@ class CudaGraphRunner:
             return None
         return BatchDescriptor(num_tokens=self.capture_sizes[i], uniform_decode=True)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: tuple[Any, ...]) -> torch.Tensor:
-        recording = self.recordings[input_ids.shape[0]]
+    def __call__(self, batch: BatchDescriptor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: tuple[Any, ...], kept_rows: torch.Tensor | None) -> torch.Tensor:
+        assert kept_rows is None  # uniform decode steps sample every token
+        recording = self.recordings[batch.num_tokens]
         given = [input_ids, positions, *tensors_of(attn_metadata)]
         for recorded, tensor in zip(recording.inputs, given, strict=True):
             # NOTE: the model runner's buffers are the recorded ones; anything else is copied in.

@@ -1,5 +1,5 @@
 """Replaying recorded forwards: the interface the model runner dispatches to, whatever records them
-(on CPU a TorchScript trace of decode steps, worker/decode_graph.py; on CUDA, CUDA graphs).
+(on CPU TorchScript traces, worker/step_traces.py; on CUDA, CUDA graphs of decode steps).
 
 The model runner describes each step with a BatchDescriptor and asks the graph runner to
 dispatch it: the graph runner answers with the recorded batch that runs it (the step padded to a
@@ -28,6 +28,9 @@ class BatchDescriptor:
 
     num_tokens: int
     uniform_decode: bool  # every request has exactly one query token
+    # The rows the last layer carries past attention when the forward prunes it to the sampled
+    # positions (model/models/llama.py); None: every token's.
+    num_kept_rows: int | None = None
 
 
 StepArgs = tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]
@@ -46,8 +49,10 @@ class GraphRunner(Protocol):
     def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
         """The recorded batch that runs this step (padded to it), or None to run it eagerly."""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: tuple[Any, ...]) -> torch.Tensor:
-        """The model's forward over every token, padding included (no last-layer pruning), replayed."""
+    def __call__(self, batch: BatchDescriptor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attn_metadata: tuple[Any, ...], kept_rows: torch.Tensor | None) -> torch.Tensor:
+        """The model's forward, replayed, for a step dispatch answered `batch` for: over every
+        token, padding included, or pruned to kept_rows (batch.num_kept_rows of them)."""
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:

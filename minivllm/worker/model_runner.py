@@ -64,7 +64,7 @@ class StepInputs:
     draft_token_ids: list[list[int]]  # per sampled row
     logits_indices: torch.Tensor  # [num_sampled + num_drafts] int64
     batch_descriptor: BatchDescriptor
-    replay: bool  # whether the graph runner runs it, padded to a recorded size
+    replay_as: BatchDescriptor | None  # the recorded batch the graph runner runs it as, padded; None: eager
 
 
 class ModelRunner:
@@ -185,15 +185,12 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        step = self._prepare_inputs(scheduler_output)
-        prepared_ns = time.perf_counter_ns() if self.record_phases else 0
-        # Only the sampled tokens go through the last layer's o_proj and MLP, unless every token
-        # is sampled (decodes) or prompt logprobs need every token's final state.
         prompt_logprobs_rows = np.flatnonzero(batch.sampling.num_prompt_logprobs[: batch.num_reqs] >= 0)
         needs_hidden_states = self.proposer is not None and self.proposer.needs_hidden_states
-        pruned = (len(step.sampled_rows) < step.batch_descriptor.num_tokens and not len(prompt_logprobs_rows)
-                  and not needs_hidden_states)
-        hidden_states = self._run_model(step, pruned)
+        step = self._prepare_inputs(scheduler_output, every_state=len(prompt_logprobs_rows) > 0 or needs_hidden_states)
+        prepared_ns = time.perf_counter_ns() if self.record_phases else 0
+        pruned = step.batch_descriptor.num_kept_rows is not None
+        hidden_states = self._run_model(step)
         # NOTE: on CUDA the forward only launches its kernels here; the sample phase's copy of
         # the sampled ids to the host waits for them, so the forward's time shows there.
         forwarded_ns = time.perf_counter_ns() if self.record_phases else 0
@@ -320,14 +317,15 @@ class ModelRunner:
         bitmask = scheduler_output.grammar_bitmask[np.concatenate(bitmask_rows)]
         apply_token_bitmask(logits, to_device(bitmask, logits.device), to_device(np.concatenate(logits_rows), logits.device))
 
-    def _run_model(self, step: StepInputs, pruned: bool) -> torch.Tensor:
-        """The forward: replayed when the graph runner took the step (its rows past the batch's
-        tokens are padding), else eager (pruning the last layer to the sampled tokens when
-        `pruned`)."""
-        if step.replay:
+    def _run_model(self, step: StepInputs) -> torch.Tensor:
+        """The forward, pruning the last layer to the sampled tokens where the step's descriptor
+        says so: replayed when the graph runner took the step (its rows past the batch's tokens
+        are padding), else eager."""
+        kept_rows = step.logits_indices if step.batch_descriptor.num_kept_rows is not None else None
+        if step.replay_as is not None:
             assert self.graph_runner is not None
-            return self.graph_runner(step.input_ids, step.positions, step.attn_metadata)
-        return self.model(step.input_ids, step.positions, step.attn_metadata, step.logits_indices if pruned else None)
+            return self.graph_runner(step.replay_as, step.input_ids, step.positions, step.attn_metadata, kept_rows)
+        return self.model(step.input_ids, step.positions, step.attn_metadata, kept_rows)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the worker's request states and the persistent batch."""
@@ -394,7 +392,9 @@ class ModelRunner:
             start = batch.num_tokens[row]
             batch.token_ids_cpu[row, start : start + len(draft_ids)] = draft_ids
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput, every_state: bool) -> StepInputs:
+        """every_state: whether every token's final hidden state is read (prompt logprobs, a
+        drafter reading them), so that the forward may not prune its last layer."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_scheduled = np.fromiter(
@@ -429,7 +429,11 @@ class ModelRunner:
         for table in batch.block_table.block_tables:
             table.compute_slot_mapping(req_indices, positions)
 
-        step = BatchDescriptor(num_tokens=total, uniform_decode=total == num_reqs)
+        # Only the sampled tokens go through the last layer's o_proj and MLP, unless every token
+        # is sampled (decodes) or every token's final state is read.
+        pruned = num_logits_total < total and not every_state
+        step = BatchDescriptor(num_tokens=total, uniform_decode=total == num_reqs,
+                               num_kept_rows=num_logits_total if pruned else None)
         replay_as = self.graph_runner.dispatch(step) if self.graph_runner is not None else None
         num_padded = replay_as.num_tokens if replay_as is not None else total
         input_ids, positions_gpu, attn_metadata = self._padded_inputs(num_padded, total, num_reqs)
@@ -442,7 +446,7 @@ class ModelRunner:
             draft_token_ids=draft_token_ids,
             logits_indices=self.logits_indices.copy_to_gpu(num_logits_total),
             batch_descriptor=step,
-            replay=replay_as is not None,
+            replay_as=replay_as,
         )
 
     def _padded_inputs(self, num_padded: int, num_tokens: int = 0,

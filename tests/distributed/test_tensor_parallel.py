@@ -79,7 +79,7 @@ def test_tp4_replicates_kv_heads(make_tiny_model, make_llm):
 
 
 def test_tp2_decode_trace_records_the_collectives(cases, make_llm, capfd):
-    """Past TRACE_AFTER_STEPS decode steps each rank records its forward (worker/decode_graph.py)
+    """Past TRACE_AFTER_STEPS decode steps each rank records its forward (worker/step_traces.py)
     with the all-reduces in it as ops, and replays it: the output stays the TP=1 engine's."""
     model_dir = cases["llama_head_dim_64"][0]  # the CPU kernels' attention, which traces
     prompts = [[5, 6, 7, 8, 9], list(range(200, 240))]
@@ -92,7 +92,7 @@ def test_tp2_decode_trace_records_the_collectives(cases, make_llm, capfd):
     tp1 = run(make_llm(model_dir, dtype="float32"))
     capfd.readouterr()
     tp2 = run(make_llm(model_dir, **TP2))
-    assert capfd.readouterr().err.count("Traced the decode step") == 2  # one trace per rank
+    assert capfd.readouterr().err.count("Traced the steps of kind TraceKey(uniform_decode=True") == 2  # one per rank
     check_logprobs_close(outputs_0=tp1, outputs_1=tp2, name_0="tp1", name_1="tp2 traced")
 
 

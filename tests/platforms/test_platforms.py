@@ -56,7 +56,7 @@ def test_cpu_platform_decisions(cpu_kernels, monkeypatch):
     assert not cpu.use_packed_linear(torch.float32)  # float32 keeps the reference's F.linear
     assert cpu.use_gguf_quantized_linear(torch.bfloat16) and not cpu.use_gguf_quantized_linear(torch.float32)
     assert cpu.attention_backend_names(torch.bfloat16, 64) == ["CPU_PAGED", "TORCH_REF"]
-    assert cpu.graph_runner_qualname() == "minivllm.worker.decode_graph.DecodeGraph"
+    assert cpu.graph_runner_qualname() == "minivllm.worker.step_traces.StepTraces"
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
     assert not cpu.use_custom_kernels(torch.float32) and not cpu.use_packed_linear(torch.bfloat16)
 

@@ -51,12 +51,12 @@ class _Checking:
     def dispatch(self, batch):
         return self.graph_runner.dispatch(batch)
 
-    def __call__(self, input_ids, positions, attn_metadata):
-        recording = self.graph_runner.recordings[input_ids.shape[0]]
+    def __call__(self, batch, input_ids, positions, attn_metadata, kept_rows):
+        recording = self.graph_runner.recordings[batch.num_tokens]
         given = [input_ids, positions, *tensors_of(attn_metadata)]
         assert [t.data_ptr() for t in given] == [t.data_ptr() for t in recording.inputs]
         self.sizes.append(input_ids.shape[0])
-        return self.graph_runner(input_ids, positions, attn_metadata)
+        return self.graph_runner(batch, input_ids, positions, attn_metadata, kept_rows)
 
 
 def test_a_decode_step_replays_the_smallest_recorded_size_at_least_its_own():

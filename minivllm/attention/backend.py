@@ -66,7 +66,7 @@ class CommonAttentionMetadata:
 
 
 class GraphSupport(enum.IntEnum):
-    """Which steps a forward recorded once (a CPU decode trace, a CUDA graph) may replay with
+    """Which steps a forward recorded once (a CPU step trace, a CUDA graph) may replay with
     this backend: its metadata of such steps must be tensors whose shapes are all the replay
     varies (vLLM's AttentionCGSupport)."""
 

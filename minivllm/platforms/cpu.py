@@ -40,7 +40,7 @@ class CpuPlatform(Platform):
 
     def use_packed_linear(self, dtype: torch.dtype) -> bool:
         """bfloat16 only: float32 keeps F.linear, whose MKL GEMM is what the reference runs; the
-        packed weight goes through minivllm's packed_linear op (which decode traces can record).
+        packed weight goes through minivllm's packed_linear op (which step traces can record).
         oneDNN packs bfloat16 weights only where the CPU converts bfloat16 in hardware."""
         return (dtype == torch.bfloat16 and envs.cpu_packed_linear() and torch.backends.mkldnn.is_available()
                 and _has_bf16_conversions() and cpu_kernels.enabled())

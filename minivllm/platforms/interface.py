@@ -47,7 +47,7 @@ class Platform(ABC):
         """Attention backends to try, best first (names of attention/selector.py's registry)."""
 
     def graph_runner_qualname(self) -> str | None:
-        """The class that replays recorded forwards on this device (the CPU decode trace, CUDA
+        """The class that replays recorded forwards on this device (the CPU step traces, CUDA
         graphs), as "module.Class"; None to run every step eagerly."""
         return None
 

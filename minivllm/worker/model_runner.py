@@ -66,6 +66,12 @@ class StepInputs:
     batch_descriptor: BatchDescriptor
     replay_as: BatchDescriptor | None  # the recorded batch the graph runner runs it as, padded; None: eager
 
+    @property
+    def kept_rows(self) -> torch.Tensor | None:
+        """The rows the last layer carries past attention when the forward is pruned (the
+        sampled positions); None when it is not."""
+        return self.logits_indices if self.batch_descriptor.num_kept_rows is not None else None
+
 
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device, platform: Platform) -> None:
@@ -189,7 +195,6 @@ class ModelRunner:
         needs_hidden_states = self.proposer is not None and self.proposer.needs_hidden_states
         step = self._prepare_inputs(scheduler_output, every_state=len(prompt_logprobs_rows) > 0 or needs_hidden_states)
         prepared_ns = time.perf_counter_ns() if self.record_phases else 0
-        pruned = step.batch_descriptor.num_kept_rows is not None
         hidden_states = self._run_model(step)
         # NOTE: on CUDA the forward only launches its kernels here; the sample phase's copy of
         # the sampled ids to the host waits for them, so the forward's time shows there.
@@ -204,7 +209,7 @@ class ModelRunner:
         logprobs = None
         failed: dict[str, str] = {}
         if len(step.sampled_rows):
-            logits = self.model.compute_logits(hidden_states if pruned else hidden_states[step.logits_indices])
+            logits = self.model.compute_logits(hidden_states if step.kept_rows is not None else hidden_states[step.logits_indices])
             if scheduler_output.structured_output_request_ids:
                 self._apply_grammar_bitmask(logits, scheduler_output, step)
             step, new_token_ids, logprobs, failed = self._sample_isolating_failures(logits, step)
@@ -321,11 +326,10 @@ class ModelRunner:
         """The forward, pruning the last layer to the sampled tokens where the step's descriptor
         says so: replayed when the graph runner took the step (its rows past the batch's tokens
         are padding), else eager."""
-        kept_rows = step.logits_indices if step.batch_descriptor.num_kept_rows is not None else None
         if step.replay_as is not None:
             assert self.graph_runner is not None
-            return self.graph_runner(step.replay_as, step.input_ids, step.positions, step.attn_metadata, kept_rows)
-        return self.model(step.input_ids, step.positions, step.attn_metadata, kept_rows)
+            return self.graph_runner(step.replay_as, step.input_ids, step.positions, step.attn_metadata, step.kept_rows)
+        return self.model(step.input_ids, step.positions, step.attn_metadata, step.kept_rows)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the worker's request states and the persistent batch."""

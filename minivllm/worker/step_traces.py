@@ -8,7 +8,7 @@ them). vLLM captures forwards as CUDA graphs and replays them. On CPU a TorchScr
 same job: the ops, in order, recorded once and replayed by TorchScript's C++ interpreter, with
 no Python between them (the 30-layer forward at one request: 3.0-5.1 ms against 5.2-9.9 ms
 eager; 19 decodes beside a 16- to 100-token prompt chunk, the steps a step budget makes under
-load: 5-7 ms less; same results bit for bit).
+load: 5-12 ms less; same results bit for bit).
 
 A trace fixes every Python decision the forward made while it was recorded; the sizes it reads
 from the tensors when it replays. The decisions a forward takes are:
@@ -25,7 +25,7 @@ metadata's tensors) are the trace's arguments; weights and KV caches are constan
 trace, the same tensors, not copies.
 
 Recording costs ~1 s (0.6 s to trace, ~0.4 s more over the first two replays while TorchScript
-optimizes the graph) and each replayed step saves ~5 ms, so a trace only pays for itself after
+optimizes the graph) and each replayed step saves 4-12 ms, so a trace only pays for itself after
 ~200 steps: short generations (a CLI prompt, most chat turns) would lose. So, as a ski renter
 buys skis once the rent paid equals their price, a kind's trace is recorded once
 TRACE_AFTER_STEPS steps of that kind have run eagerly; until then, and for an engine that never

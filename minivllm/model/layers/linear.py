@@ -18,7 +18,7 @@ layout on every call. Where the platform says so (platforms/cpu.py: use_packed_l
 `process_weights_after_loading` does that once, for the GEMM this CPU runs faster
 (platforms/cpu_gemm.py times both). oneDNN's: the weight becomes oneDNN's packed tensor (same
 memory) and `linear` calls oneDNN's linear on it, through minivllm's packed_linear op
-(ops/csrc/packed_linear.cpp), which decode traces can record; same results as F.linear bit for
+(ops/csrc/packed_linear.cpp), which step traces can record; same results as F.linear bit for
 bit, per call 2x faster at 1 row, 1.6x at 8, 1.1-1.2x at 64-512 rows (2-core AVX-512 CPU).
 minivllm's (ops/csrc/bf16_gemm.cpp, float32 FMAs on the bfloat16 weight): the weight becomes
 panels of 32 output columns; the products are the same, only the order of the float32 sums

@@ -12,15 +12,15 @@ load: 5-12 ms less; same results bit for bit).
 
 A trace fixes every Python decision the forward made while it was recorded; the sizes it reads
 from the tensors when it replays. The decisions a forward takes are:
-- which weight each Linear with GGUF codes multiplies: its codes up to its own row bound, the
-  dequantized matrix past it. The rows are the step's tokens, except in the last layer's o_proj
-  and MLP when the forward prunes it to the sampled positions (model/models/llama.py);
-- whether the last layer is pruned;
+- whether the last layer is pruned to the sampled positions (model/models/llama.py);
 - which attention calls run: none for a backend whose metadata is tensors of one structure for
   the steps it replays (attention/backend.py: GraphSupport): uniform decode steps only, or every
   step when it makes the same calls for all (ALWAYS: the CPU paged backend).
 So a step's kind (TraceKey) names the trace that replays it, and one trace replays every step of
-its kind, at any size. The step's inputs (token ids, positions, the pruned rows, the attention
+its kind, at any size. A Linear with GGUF codes multiplies its codes for few rows and its
+dequantized matrix for more, but chooses inside one op (ops/csrc/gguf_linear.cpp), which the
+trace records as it is; a model whose Linears choose in Python (the C++ kernels not built) is
+not traced at all. The step's inputs (token ids, positions, the pruned rows, the attention
 metadata's tensors) are the trace's arguments; weights and KV caches are constants of the
 trace, the same tensors, not copies.
 
@@ -60,20 +60,16 @@ TRACE_AFTER_STEPS = 200
 
 @dataclass(frozen=True)
 class TraceKey:
-    """What a trace fixes of the steps it replays (the module docstring's decisions). A row count
-    is kept as the number of the model's row bounds (row_bounds) it is within: the Linears'
-    choice of weight is all that it decides."""
+    """What a trace fixes of the steps it replays (the module docstring's decisions)."""
 
     uniform_decode: bool
-    tokens_within: int
-    kept_within: int | None  # the last layer's rows when the forward is pruned; None: not pruned
+    pruned: bool
 
 
-def row_bounds(model: nn.Module) -> tuple[int, ...]:
-    """The distinct row bounds of model's Linears that keep GGUF codes (each multiplies its codes
-    up to its bound, the dequantized matrix past it)."""
-    return tuple(sorted({m.quantized.max_rows for m in model.modules()
-                         if isinstance(m, Linear) and m.quantized is not None}))
+def rows_choice_in_python(model: nn.Module) -> bool:
+    """Whether a Linear of model picks its GGUF codes or its dense matrix in Python, a choice a
+    trace would fix."""
+    return any(isinstance(m, Linear) and m.quantized is not None and not m.rows_choice_in_op for m in model.modules())
 
 
 class StepTraces:
@@ -82,8 +78,7 @@ class StepTraces:
     def __init__(self, model: nn.Module, graph_support: GraphSupport, capture_sizes: tuple[int, ...] = ()) -> None:
         """capture_sizes: unused, one trace replays every size."""
         self.model = model
-        self.graph_support = graph_support
-        self.bounds = row_bounds(model)
+        self.graph_support = GraphSupport.NEVER if rows_choice_in_python(model) else graph_support
         self.num_eager_steps: Counter[TraceKey] = Counter()  # per kind, until its trace is recorded
         self.traces: dict[TraceKey, torch.jit.ScriptModule | None] = {}  # None: its recording failed
 
@@ -96,11 +91,7 @@ class StepTraces:
         needed = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE if batch.uniform_decode else GraphSupport.ALWAYS
         if self.graph_support < needed:
             return None
-        kept = None if batch.num_kept_rows is None else self._within(batch.num_kept_rows)
-        return TraceKey(batch.uniform_decode, self._within(batch.num_tokens), kept)
-
-    def _within(self, rows: int) -> int:
-        return sum(rows <= bound for bound in self.bounds)
+        return TraceKey(batch.uniform_decode, batch.num_kept_rows is not None)
 
     def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
         key = self.key(batch)

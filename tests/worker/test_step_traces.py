@@ -1,9 +1,9 @@
 """Steps replayed from traces (worker/step_traces.py): the same tokens and logprobs as the eager
 forward, bit for bit, for every kind of step (decodes, prompts, chunks beside decodes, pruned or
-not, below and past the Linears' row bounds), each kind from its own trace at every size; a
-failed trace leaves its kind eager; enforce_eager and backends whose metadata cannot be replayed
-never trace; a kind's trace is recorded only after TRACE_AFTER_STEPS steps of it (0 here unless
-the test says)."""
+not), each kind from its own trace at every size, on either side of a GGUF model's row bounds;
+a failed trace leaves its kind eager; enforce_eager, backends whose metadata cannot be replayed
+and Linears that choose their weight in Python never trace; a kind's trace is recorded only
+after TRACE_AFTER_STEPS steps of it (0 here unless the test says)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from torch import nn
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backend import GraphSupport
 from minivllm.model.layers.linear import Linear
-from minivllm.model.layers.quant import Q4_1_MAX_ROWS, Q8_0_MAX_ROWS, Q4_1Tiles, Q8_0Weight
+from minivllm.model.layers.quant import Q4_1_MAX_ROWS, Q8_0_MAX_ROWS, Q4_1Tiles
 from minivllm.worker import step_traces
 from minivllm.worker.graph_runner import BatchDescriptor
-from minivllm.worker.step_traces import StepTraces, TraceKey, row_bounds
+from minivllm.worker.step_traces import StepTraces, TraceKey
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +34,7 @@ class _Counting:
         self.graph_runner = graph_runner
         self.num_steps = 0
         self.replayed: list[TraceKey] = []
+        self.rows: list[tuple[TraceKey, int]] = []  # a replayed step's kind and tokens
 
     def dispatch(self, batch: BatchDescriptor) -> BatchDescriptor | None:
         self.num_steps += 1
@@ -43,6 +44,7 @@ class _Counting:
         assert input_ids.shape[0] == batch.num_tokens  # unpadded
         assert (kept_rows is None) == (batch.num_kept_rows is None)
         self.replayed.append(self.graph_runner.key(batch))
+        self.rows.append((self.replayed[-1], batch.num_tokens))
         return self.graph_runner(batch, input_ids, positions, attn_metadata, kept_rows)
 
 
@@ -66,8 +68,11 @@ def _generate(llm: LLM) -> tuple[list, _Counting | None]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs], counting
 
 
-def check_traced_equals_eager(make_llm, model_dir, dtype: str) -> set[TraceKey]:
-    """Every step replayed, each kind from its own trace; returns the kinds."""
+KINDS = {TraceKey(uniform_decode=True, pruned=False), TraceKey(False, True), TraceKey(False, False)}
+
+
+def check_traced_equals_eager(make_llm, model_dir, dtype: str) -> _Counting:
+    """Every step replayed, each kind from its own trace; returns what was replayed."""
     eager, _ = _generate(make_llm(model_dir, dtype=dtype, enforce_eager=True, max_num_batched_tokens=96))
     llm = make_llm(model_dir, dtype=dtype, max_num_batched_tokens=96)
     traced, counting = _generate(llm)
@@ -76,26 +81,28 @@ def check_traced_equals_eager(make_llm, model_dir, dtype: str) -> set[TraceKey]:
     traces = model_runner(llm).graph_runner.traces
     assert set(traces) == set(counting.replayed)
     assert all(isinstance(t, torch.jit.ScriptModule) for t in traces.values())
-    return set(traces)
+    assert set(traces) == KINDS
+    return counting
 
 
 @pytest.mark.parametrize(("arch", "dtype"), [("llama", "bfloat16"), ("llama", "float32"),
                                              ("qwen2", "bfloat16"), ("qwen3", "bfloat16"),
                                              ("gemma3", "bfloat16")])
 def test_traced_steps_equal_eager(make_tiny_model, make_llm, arch, dtype):
-    # head_dim 64: the CPU paged backend; no GGUF codes, so no row bounds. Gemma 3's sliding
-    # window layers are a second KV cache group: two metadata in each trace's arguments.
-    replayed = check_traced_equals_eager(make_llm, make_tiny_model(arch, head_dim=64), dtype)
-    assert replayed == {TraceKey(True, 0, None), TraceKey(False, 0, 0), TraceKey(False, 0, None)}
+    # head_dim 64: the CPU paged backend. Gemma 3's sliding window layers are a second KV
+    # cache group: two metadata in each trace's arguments.
+    check_traced_equals_eager(make_llm, make_tiny_model(arch, head_dim=64), dtype)
 
 
 def test_traced_steps_equal_eager_smollm2(smollm2_gguf, make_llm):
-    """Its Linears take their Q4_1 codes up to Q4_1_MAX_ROWS rows, in a trace as eagerly: steps
-    with prompt tokens on either side of the bound, and a pruned last layer within it past it,
-    replay from their own traces."""
-    replayed = check_traced_equals_eager(make_llm, smollm2_gguf, "bfloat16")
-    assert replayed == {TraceKey(True, 1, None), TraceKey(False, 0, 1), TraceKey(False, 0, None),
-                        TraceKey(False, 1, None)}
+    """Its Linears take their GGUF codes (Q4_1, and Q8_0 in some layers) up to their row bounds
+    and the dequantized matrix past them, choosing inside one op: a trace recorded on one side of
+    a bound replays the other side as the eager forward does."""
+    counting = check_traced_equals_eager(make_llm, smollm2_gguf, "bfloat16")
+    decode_rows = {tokens for key, tokens in counting.rows if key.uniform_decode}
+    assert min(decode_rows) <= Q8_0_MAX_ROWS < max(decode_rows)
+    mixed_rows = {tokens for key, tokens in counting.rows if not key.uniform_decode}
+    assert min(mixed_rows) <= Q4_1_MAX_ROWS < max(mixed_rows)
 
 
 def test_enforce_eager_runs_the_model(make_tiny_model, make_llm):
@@ -138,51 +145,51 @@ def test_recorded_after_the_steps_it_would_have_saved(monkeypatch):
     decode, other_decode = BatchDescriptor(2, True), BatchDescriptor(7, True)
     mixed = BatchDescriptor(9, False, num_kept_rows=2)
     assert [traces.dispatch(decode) for _ in range(3)] == [None] * 3
-    assert traces.dispatch(mixed) is None and traces.num_eager_steps == {TraceKey(True, 0, None): 3}
+    assert traces.dispatch(mixed) is None and traces.num_eager_steps == {TraceKey(True, False): 3}
     assert traces.dispatch(other_decode) == other_decode  # the same kind: unpadded, at any size
-    traces.traces[TraceKey(True, 0, None)] = None  # a failed recording: eager from then on
+    traces.traces[TraceKey(True, False)] = None  # a failed recording: eager from then on
     assert traces.dispatch(decode) is None
 
     always = StepTraces(model=nn.Module(), graph_support=GraphSupport.ALWAYS)
     unpruned = BatchDescriptor(9, False)
     assert [always.dispatch(mixed) for _ in range(3)] + [always.dispatch(unpruned)] == [None] * 4
     assert always.dispatch(mixed) == mixed and always.dispatch(unpruned) is None
-    assert always.num_eager_steps == {TraceKey(False, 0, 0): 4, TraceKey(False, 0, None): 2}
-
-
-def _linear_with(quantized) -> Linear:
-    layer = Linear(32, 16)
-    layer.quantized = quantized
-    return layer
+    assert always.num_eager_steps == {TraceKey(False, True): 4, TraceKey(False, False): 2}
 
 
 Q4_1 = Q4_1Tiles(torch.zeros(1, 1, 320, dtype=torch.uint8))
-Q8_0 = Q8_0Weight(torch.zeros(16, 32, dtype=torch.int8), torch.zeros(16, 1, dtype=torch.float16))
 
 
-def test_a_kind_is_the_row_bounds_its_rows_are_within():
-    """A trace fixes each Linear's choice of weight (its codes up to its bound, the matrix past
-    it), so the kind of a step counts the model's bounds its tokens, and its last layer's kept
-    rows, are within."""
-    assert row_bounds(nn.Sequential(Linear(32, 16))) == ()
-    assert row_bounds(nn.Sequential(_linear_with(Q4_1), _linear_with(Q8_0), _linear_with(Q4_1))) == (
-        Q8_0_MAX_ROWS, Q4_1_MAX_ROWS)
-    traces = StepTraces(nn.Sequential(_linear_with(Q4_1), _linear_with(Q8_0)), GraphSupport.ALWAYS)
+def _linear_with(quantized, rows_choice_in_op: bool) -> Linear:
+    layer = Linear(32, 16)
+    layer.quantized, layer.rows_choice_in_op = quantized, rows_choice_in_op
+    return layer
+
+
+def test_a_kind_is_what_the_forward_decides():
+    """Rows decide nothing a trace fixes (GGUF Linears choose inside their op): a kind is
+    whether the step is a uniform decode and whether its last layer is pruned."""
+    traces = StepTraces(nn.Sequential(_linear_with(Q4_1, True), Linear(32, 16)), GraphSupport.ALWAYS)
     key = traces.key
-    assert key(BatchDescriptor(1, True)) == key(BatchDescriptor(Q8_0_MAX_ROWS, True)) == TraceKey(True, 2, None)
-    assert key(BatchDescriptor(Q8_0_MAX_ROWS + 1, True)) == key(BatchDescriptor(Q4_1_MAX_ROWS, True)) == TraceKey(True, 1, None)
-    assert key(BatchDescriptor(Q4_1_MAX_ROWS + 1, True)) == key(BatchDescriptor(4096, True)) == TraceKey(True, 0, None)
-    assert key(BatchDescriptor(500, False, num_kept_rows=3)) == TraceKey(False, 0, 2)
-    assert key(BatchDescriptor(20, False, num_kept_rows=0)) == TraceKey(False, 1, 2)  # nobody samples
-    assert key(BatchDescriptor(20, False, num_kept_rows=20)) == TraceKey(False, 1, 1)
-    assert key(BatchDescriptor(20, False)) == TraceKey(False, 1, None)
+    assert key(BatchDescriptor(1, True)) == key(BatchDescriptor(Q4_1_MAX_ROWS + 1, True)) == TraceKey(True, False)
+    assert key(BatchDescriptor(500, False, num_kept_rows=3)) == key(BatchDescriptor(20, False, num_kept_rows=0)) \
+        == key(BatchDescriptor(20, False, num_kept_rows=20)) == TraceKey(False, True)  # 0: nobody samples
+    assert key(BatchDescriptor(20, False)) == TraceKey(False, False)
+
+
+def test_linears_choosing_in_python_are_never_traced():
+    """Without the C++ kernels a GGUF Linear picks its weight in Python, which a trace would fix
+    to the branch it was recorded on: such a model runs every step eagerly."""
+    traces = StepTraces(nn.Sequential(_linear_with(Q4_1, False)), GraphSupport.ALWAYS)
+    assert traces.key(BatchDescriptor(1, True)) is None
+    assert traces.dispatch(BatchDescriptor(1, True)) is None and not traces.num_eager_steps
 
 
 def test_mixed_steps_replay_only_where_the_backend_says():
     """A backend whose metadata is tensors for uniform decode steps only (Triton's) keeps every
     other step eager; one whose metadata is never tensors (the reference) keeps them all."""
     decode_only = StepTraces(nn.Module(), GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
-    assert decode_only.key(BatchDescriptor(64, True)) == TraceKey(True, 0, None)
+    assert decode_only.key(BatchDescriptor(64, True)) == TraceKey(True, False)
     assert decode_only.key(BatchDescriptor(3, False, num_kept_rows=1)) is None
     never = StepTraces(nn.Module(), GraphSupport.NEVER)
     assert never.key(BatchDescriptor(1, True)) is None and never.dispatch(BatchDescriptor(1, True)) is None

@@ -40,6 +40,7 @@ from minivllm.model.layers.quant import (
     Q8_0Weight,
     pack_q4_1,
 )
+from minivllm.ops import cpu_kernels
 from minivllm.platforms.cpu_gemm import PANEL, use_minivllm_gemm
 
 Checkpoint = torch.Tensor | GroupQuantized
@@ -118,8 +119,11 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        # The matrix as GGUF codes, for steps of at most `quantized.max_rows` rows.
+        # The matrix as GGUF codes, for steps of at most `quantized.max_rows` rows. Which of the
+        # two a step multiplies is chosen inside the gguf_linear op where the C++ kernels are
+        # built (a step trace then records the choice, not one branch of it), else here in Python.
         self.quantized: Q4_1Tiles | Int4Weight | Q8_0Weight | None = None
+        self.rows_choice_in_op = False
         self._quantized_shards: dict[object, GroupQuantized] = {}
 
     def rank_share(self, loaded: Checkpoint, shard_id: object, is_bias: bool) -> Checkpoint:
@@ -143,6 +147,7 @@ class Linear(nn.Module):
             self.quantized = pack_q4_1(shards)
         elif all(isinstance(s, Q8_0Weight) for s in shards):
             self.quantized = Q8_0Weight.cat(shards)
+        self.rows_choice_in_op = self.quantized is not None and cpu_kernels.enabled()
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (see the module docstring); called once, after loading."""
@@ -152,6 +157,11 @@ class Linear(nn.Module):
         return self.apply_weight(x, self.bias)
 
     def apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.rows_choice_in_op:
+            assert self.quantized is not None
+            return torch.ops.minivllm_cpu.gguf_linear(
+                x, self.weight, bias, self.quantized.max_rows, self.quantized.codes_kind, *self.quantized.op_codes()
+            )
         if self.quantized is not None and x.shape[0] <= self.quantized.max_rows:
             out = self.quantized.matmul(x).to(x.dtype)
             return out if bias is None else out + bias

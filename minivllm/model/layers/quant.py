@@ -71,6 +71,10 @@ class Int4Weight:
     packed: torch.Tensor  # [N, K // 2] uint8, the kernel's layout
     scales_and_zeros: torch.Tensor  # [K // 32, N, 2] bfloat16
     max_rows = INT4_MAX_ROWS
+    codes_kind = "int4"
+
+    def op_codes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.packed, self.scales_and_zeros
 
     @classmethod
     def from_q4_1(cls, shards: list[Q4_1Weight]) -> Int4Weight:
@@ -94,6 +98,10 @@ class Q4_1Tiles:
 
     weight: torch.Tensor  # [N / 16, K / 32, 320] uint8
     max_rows = Q4_1_MAX_ROWS
+    codes_kind = "q4_1_tiles"
+
+    def op_codes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, None
 
     @classmethod
     def from_q4_1(cls, shards: list[Q4_1Weight]) -> Q4_1Tiles:
@@ -139,6 +147,10 @@ class Q8_0Weight(GroupQuantized):
     q: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N, K // 32] float16
     max_rows = Q8_0_MAX_ROWS
+    codes_kind = "q8_0"
+
+    def op_codes(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.q, self.scale
 
     @classmethod
     def cat(cls, shards: list[Q8_0Weight]) -> Q8_0Weight:

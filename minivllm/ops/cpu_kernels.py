@@ -3,7 +3,8 @@
 paged_attention.cpp: decode attention through block tables and the K/V cache write;
 layernorm.cpp: RMSNorm with the residual add; activation.cpp: SiLU-and-mul; pos_encoding.cpp:
 rotary embedding in place; q8_0_linear.cpp and q4_1_linear.cpp: x @ W^T from GGUF Q8_0 / Q4_1
-codes for a few rows (q4_1_linear only where the CPU has AVX512-BF16); argmax.cpp: the
+codes for a few rows (q4_1_linear only where the CPU has AVX512-BF16); gguf_linear.cpp: a GGUF
+layer's choice between those and its dequantized matrix, by rows, in one op; argmax.cpp: the
 sampler's row-wise argmax; exponential_race.cpp: its random draw; top_k_top_p.cpp: its
 truncation without a sort. Each matches the torch reference path's roundings, or computes more
 exactly (see its header); the race draws from another generator than torch's, an equally exact

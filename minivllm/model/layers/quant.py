@@ -13,7 +13,9 @@ from the bfloat16-rounded dequantized ones by at most a bfloat16 rounding step. 
 uses the file's scales and mins as they are, and reads the 30 layers of SmolLM2 1.5x faster at one
 row, 1.7x at 4-8 (docs/perf-log.md, round 5).
 Like vLLM's GGUF layers (a GEMV kernel for few rows, dequantize-and-matmul for many), larger
-batches keep using the dequantized bfloat16 matrix, where the int4 kernel is slower.
+batches keep using the dequantized bfloat16 matrix, where the int4 kernel is slower; and, as
+there, one op makes that choice by rows (ops/csrc/gguf_linear.cpp: codes_kind and op_codes say
+which kernel and codes it takes), so a recorded step replays either side of the bound.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ def _dense(layout: str) -> torch.Tensor:
         if not torch.backends.mkldnn.is_available():
             pytest.skip("no oneDNN")
         return torch.ops.mkldnn._reorder_linear_weight(weight)
+    if not hasattr(torch.ops.minivllm_cpu, "bf16_pack_weight"):
+        pytest.skip("minivllm's bfloat16 GEMM is built only for CPUs with AVX-512")
     return torch.ops.minivllm_cpu.bf16_pack_weight(weight)
 
 

@@ -38,7 +38,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& weight, const std::optio
   return at::linear(x, weight, bias);
 }
 
-at::Tensor codes(const at::Tensor& x, c10::string_view codes_kind, const at::Tensor& codes,
+at::Tensor codes_product(const at::Tensor& x, c10::string_view codes_kind, const at::Tensor& codes,
                  const std::optional<at::Tensor>& scales) {
   if (codes_kind == "q4_1_tiles") {
     static const auto op = minivllm_op("minivllm_cpu::q4_1_linear")
@@ -58,11 +58,11 @@ at::Tensor codes(const at::Tensor& x, c10::string_view codes_kind, const at::Ten
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       int64_t max_rows, c10::string_view codes_kind, const at::Tensor& codes_,
+                       int64_t max_rows, c10::string_view codes_kind, const at::Tensor& codes,
                        const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(x.dim() == 2, "gguf_linear: x must be [M, K], got ", x.sizes());
   if (x.size(0) > max_rows) return dense(x, weight, bias);
-  at::Tensor out = codes(x, codes_kind, codes_, scales);
+  at::Tensor out = codes_product(x, codes_kind, codes, scales);
   return bias.has_value() ? out + *bias : out;
 }
 
